@@ -1,0 +1,272 @@
+"""The shared engine loop: one vLLM `AsyncLLM` driven by one asyncio loop.
+
+    engine = await Engine.start(engine_args("path/or/hub-id"))   # inside a running loop
+    [[c0, c1, ...]] = await engine.generate(["2+2="], SamplingParams(n=8))
+
+Every `Completion` carries the weight `version` that produced it. `update_weights` closes the
+gate to new requests, drains the ones in flight, loads the new weights in the workers
+(`WeightSyncWorker`, below), resets the prefix cache, bumps the version and reopens the gate,
+so no completion ever mixes two versions. `RolloutEngine` runs multi-turn tool episodes on the
+same engine; `SyncEngine` drives an engine from plain (non-async) Python code.
+`tiny_model()` builds the small model that tests and the demo use when nothing is downloaded.
+"""
+import asyncio
+import json
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-model")
+CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # the tiny model's vocabulary: printable ASCII
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -----------------------------------------------------------------------------
+# the built-in tiny model
+
+
+def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2):
+    """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder.
+
+    The same seed and sizes always give the same weights, so nothing needs downloading.
+    """
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|pad|>"] + CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
+    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
+        max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,  # wide logits: no near-ties in greedy
+        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.replace(tmp, path)  # atomic: a half-written model is never found
+    return path
+
+
+# -----------------------------------------------------------------------------
+# the vLLM calls that may change between releases, one small function each
+
+
+def engine_args(model, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.9, tensor_parallel_size=1,
+                data_parallel_size=1, seed=0, enforce_eager=None, kv_cache_memory_bytes=None, max_num_seqs=None):
+    """AsyncEngineArgs for our engine: priority scheduling, our worker extension, explicit dtype."""
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = 256 << 20  # the CPU backend reads gpu_memory_utilization of *free* memory
+    return AsyncEngineArgs(
+        model=model, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, seed=seed,
+        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,  # compiling costs more than it gains on CPU
+        kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+        scheduling_policy="priority", worker_extension_cls="engine.WeightSyncWorker",
+        enable_log_requests=False, disable_log_stats=True,
+    )
+
+
+def final_only(params: SamplingParams) -> SamplingParams:
+    """Ask vLLM for the finished output only, with the logprob of every sampled token."""
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    params.logprobs = max(params.logprobs or 0, 0)  # 0 = just the sampled token's logprob
+    return params
+
+
+def as_prompt(prompt):
+    return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
+
+
+# -----------------------------------------------------------------------------
+# the engine
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token, same length as token_ids
+    finish_reason: str | None  # "stop", "length" or "abort"
+    version: int  # the weight version that produced every token of it
+
+
+class Engine:
+    """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
+
+    def __init__(self, llm: AsyncLLM, args: AsyncEngineArgs):
+        self.llm, self.args = llm, args
+        self.version = 0  # weights loaded at start
+        self.in_flight = 0  # prompts admitted to vLLM and not finished
+        self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
+        self.gate.set()
+        self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
+        self.update_lock = asyncio.Lock()  # one weight update at a time
+        self.tokenizer = llm.tokenizer
+
+    @classmethod
+    async def start(cls, args: AsyncEngineArgs) -> "Engine":
+        return cls(AsyncLLM.from_engine_args(args), args)
+
+    def shutdown(self):
+        self.llm.shutdown()
+
+    async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
+        """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
+        await self.gate.wait()  # a weight update is loading: wait, then run on the new version
+        version, self.in_flight = self.version, self.in_flight + len(prompts)
+        try:
+            outputs = await asyncio.gather(*(self._one(p, final_only(params), priority) for p in prompts))
+        finally:
+            self.in_flight -= len(prompts)
+            if self.in_flight == 0:
+                async with self.idle:
+                    self.idle.notify_all()
+        return [[Completion(c.text, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                            c.finish_reason, version) for c in sorted(out.outputs, key=lambda c: c.index)]
+                for out in outputs]
+
+    async def _one(self, prompt, params, priority):
+        final = None
+        async for final in self.llm.generate(as_prompt(prompt), params, request_id=uuid.uuid4().hex, priority=priority):
+            pass  # FINAL_ONLY: the one output is the finished request with all n completions
+        return final
+
+    async def update_weights(self, method, *args, timeout=60.0):
+        """Drain, then run the worker `method` (which loads new weights) and bump the version.
+
+        If the load fails, the old weights stay (workers load only after receiving everything),
+        the version stays, and generation resumes.
+        """
+        async with self.update_lock:
+            self.gate.clear()  # new requests wait at the gate
+            try:
+                async with self.idle:  # let in-flight requests finish on the old version
+                    await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
+                await self.llm.collective_rpc(method, timeout=timeout + 10, args=args)
+                await self.llm.reset_prefix_cache()  # KV computed with old weights must not be reused
+                self.version += 1
+                return self.version
+            finally:
+                self.gate.set()
+
+    async def rpc(self, method, *args, timeout=60.0):
+        """Call `method` on every worker (WeightSyncWorker) and return the first worker's answer."""
+        return (await self.llm.collective_rpc(method, timeout=timeout, args=args))[0]
+
+
+class SyncEngine:
+    """Drive an Engine from plain Python: it lives on its own loop in a background thread."""
+
+    def __init__(self, args: AsyncEngineArgs):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.engine = self._run(Engine.start(args), timeout=600)
+
+    def _run(self, coro, timeout):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def generate(self, prompts, params: SamplingParams, priority=0, timeout=600.0):
+        return self._run(self.engine.generate(prompts, params, priority), timeout)
+
+    def shutdown(self):
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+# -----------------------------------------------------------------------------
+# the worker side of weight sync: runs inside each vLLM worker process
+
+
+def group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def unpack_bucket(buffer: torch.Tensor, params):
+    """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape, offset}]."""
+    out = []
+    for p in params:
+        dtype, shape = DTYPES[p["dtype"]], p["shape"]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        out.append((p["name"], buffer[p["offset"]:p["offset"] + nbytes].view(dtype).view(shape)))
+    return out
+
+
+class WeightSyncWorker:
+    """Mixed into vLLM's worker (`worker_extension_cls`); called through `collective_rpc`."""
+
+    group = None
+
+    def init_communicator(self, host, port, world_size, timeout_s):
+        from vllm.distributed.parallel_state import get_world_group
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.close_communicator()
+        rank = 1 + get_world_group().rank  # the trainer is rank 0
+        self.group = stateless_init_torch_distributed_process_group(
+            host, port, rank, world_size, group_backend(self.device), timeout=timedelta(seconds=timeout_s))
+
+    def close_communicator(self):
+        if self.group is not None:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            group, self.group = self.group, None
+            stateless_destroy_torch_distributed_process_group(group)
+
+    def receive_weights(self, buckets):
+        """Receive every bucket (one broadcast each), then load them all at once.
+
+        Loading only after the last bucket arrived means a trainer that dies mid-transfer
+        leaves the old weights in place. On any failure the group is dropped: the trainer
+        must init_communicator again.
+        """
+        try:
+            received = []
+            for bucket in buckets:
+                buffer = torch.empty(bucket["size"], dtype=torch.uint8, device=self.device)
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank = 0
+                self.group.broadcast([buffer], opts).wait()
+                received += unpack_bucket(buffer, bucket["params"])
+        except Exception:
+            self.close_communicator()
+            raise
+        model_runner = self.model_runner
+        model_runner.reload_weights(weights_iterator=iter(received))
+        repack_tied_lm_head(model_runner.get_model())
+
+    def weight_spec(self):
+        """{checkpoint name: shape} of the parameters a trainer may send (tied ones once)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = self.model_runner.model_config
+        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code)
+        return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def repack_tied_lm_head(model):
+    """On CPU, vLLM pre-packs linear weights for oneDNN after loading. `reload_weights`
+    re-packs what it reloads, but a tied lm_head is never reloaded (it shares embed_tokens),
+    so its packed copy would keep the old weights: re-tie it and re-pack it."""
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.tie_weights(model.model.embed_tokens)
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)

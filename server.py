@@ -1,0 +1,351 @@
+"""An HTTP rollout server over the shared engine loop (engine.py).
+
+    python server.py                                  # the built-in tiny model, on 127.0.0.1:8000
+    python server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --port 8000
+
+Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error": message}):
+    GET  /health              status, model, weight version, requests in flight, group port
+    POST /generate            {prompts, n, temperature, ..., priority} -> 202 {request_id}, at once
+    POST /rollout             {prompts, tools, max_turns, ..., sampling fields} -> 202 {request_id}
+    POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
+                              -> the result; 408 if not ready in time (ask again, nothing is lost)
+    POST /init_communicator   {host, world_size, timeout} -> join the trainer's weight group
+    POST /update_weights      {buckets: [{size, params: [{name, dtype, shape, offset}]}]}
+                              -> receive one broadcast per bucket, load, {version}
+    POST /close_communicator  leave the weight group
+    GET  /metrics             Prometheus text
+"""
+import argparse
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict
+
+import prometheus_client as prom
+from aiohttp import web
+from vllm import SamplingParams
+
+from engine import DTYPES, Engine, engine_args, tiny_model
+
+# sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
+SAMPLING_FIELDS = {
+    "n": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
+    "min_tokens": int, "seed": int, "logprobs": int, "presence_penalty": float, "frequency_penalty": float,
+    "repetition_penalty": float, "ignore_eos": bool, "stop": list, "stop_token_ids": list,
+    "include_stop_str_in_output": bool, "skip_special_tokens": bool,
+}
+ENGINE = web.AppKey("engine", Engine)
+STATE = web.AppKey("state", dict)
+METRICS = web.AppKey("metrics", dict)
+
+
+class BadRequest(web.HTTPBadRequest):
+    def __init__(self, message):
+        super().__init__(text=json.dumps({"error": message}), content_type="application/json")
+
+
+def error(status, message):
+    return web.json_response({"error": message}, status=status)
+
+
+# -----------------------------------------------------------------------------
+# validation: turn a JSON body into engine arguments, or raise BadRequest
+
+
+async def read_json(request) -> dict:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def check_type(name, value, kind):
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise BadRequest(f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
+
+
+def parse_prompts(body, vocab_size) -> list:
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts:
+        raise BadRequest("'prompts' must be a non-empty list of strings or of token-id lists")
+    for p in prompts:
+        if isinstance(p, str) and p:
+            continue
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
+            continue
+        raise BadRequest(f"each prompt must be a non-empty string or a list of token ids in [0, {vocab_size}); got {str(p)[:80]}")
+    return prompts
+
+
+def parse_sampling(body, extra=()) -> SamplingParams:
+    known = set(SAMPLING_FIELDS) | {"prompts", "priority", "request_id"} | set(extra)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
+    fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
+    for k, v in fields.items():
+        check_type(k, v, SAMPLING_FIELDS[k])
+    if fields.get("n", 1) < 1 or fields.get("max_tokens", 1) < 1:
+        raise BadRequest("'n' and 'max_tokens' must be >= 1")
+    try:
+        return SamplingParams(**fields)
+    except Exception as e:  # vLLM's validation errors (their class changes between releases)
+        raise BadRequest(f"invalid sampling parameters: {e}")
+
+
+def args_key(body) -> str:
+    """The identity of a call by its arguments: the same body finds the same request."""
+    return json.dumps({k: v for k, v in body.items() if k not in ("request_id", "timeout")}, sort_keys=True)
+
+
+# -----------------------------------------------------------------------------
+# the futures table: request id -> task; arguments -> the ids submitted with them (oldest first)
+
+
+def submit(app, body, coro) -> str:
+    state = app[STATE]
+    request_id = uuid.uuid4().hex
+    state["tasks"][request_id] = asyncio.ensure_future(coro)
+    state["by_args"].setdefault(args_key(body), deque()).append(request_id)
+    return request_id
+
+
+def find(app, body) -> str | None:
+    state = app[STATE]
+    if "request_id" in body:
+        return body["request_id"] if body["request_id"] in state["tasks"] else None
+    ids = state["by_args"].get(args_key(body))
+    return ids[0] if ids else None
+
+
+def forget(app, request_id):
+    """Free a fetched result: drop it from both indexes."""
+    state = app[STATE]
+    state["tasks"].pop(request_id, None)
+    for key, ids in list(state["by_args"].items()):
+        if request_id in ids:
+            ids.remove(request_id)
+            if not ids:
+                del state["by_args"][key]
+
+
+# -----------------------------------------------------------------------------
+# routes
+
+
+async def health(request):
+    engine, state = request.app[ENGINE], request.app[STATE]
+    return web.json_response({
+        "status": "updating" if not engine.gate.is_set() else "ok", "model": engine.args.model,
+        "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state["tasks"]),
+        "group_port": state["group_port"], "workers": engine.args.tensor_parallel_size * engine.args.data_parallel_size,
+        "dtype": str(engine.llm.model_config.dtype).removeprefix("torch."),
+    })
+
+
+async def run_generate(app, prompts, params, priority):
+    metrics = app[METRICS]
+    results = await app[ENGINE].generate(prompts, params, priority)
+    metrics["requests"].inc()
+    metrics["tokens"].inc(sum(len(c.token_ids) for r in results for c in r))
+    return {"completions": [[asdict(c) for c in r] for r in results]}
+
+
+async def generate(request):
+    body = await read_json(request)
+    prompts = parse_prompts(body, request.app[STATE]["vocab_size"])
+    params = parse_sampling(body)
+    priority = body.get("priority", 0)
+    check_type("priority", priority, int)
+    request_id = submit(request.app, body, run_generate(request.app, prompts, params, priority))
+    return web.json_response({"request_id": request_id}, status=202)
+
+
+async def get_future(request):
+    body = await read_json(request)
+    timeout = body.get("timeout", 60)
+    check_type("timeout", timeout, float)
+    if not 0 <= timeout <= 3600:
+        raise BadRequest("'timeout' must be between 0 and 3600 seconds")
+    request_id = find(request.app, body)
+    if request_id is None:
+        return error(404, "no such request: unknown request_id, already fetched, or no request with these arguments")
+    task = request.app[STATE]["tasks"][request_id]
+    try:
+        result = await asyncio.wait_for(asyncio.shield(task), timeout)
+    except asyncio.TimeoutError:
+        return error(408, f"request {request_id} not finished after {timeout} s; ask again")
+    except Exception as e:  # the engine refused the request (e.g. prompt longer than max_model_len)
+        forget(request.app, request_id)
+        return error(422, f"request {request_id} failed: {e}")
+    forget(request.app, request_id)
+    return web.json_response({"request_id": request_id, **result})
+
+
+async def init_communicator(request):
+    body = await read_json(request)
+    engine, state = request.app[ENGINE], request.app[STATE]
+    host, world_size, timeout = body.get("host"), body.get("world_size"), body.get("timeout", 60)
+    check_type("host", host, str)
+    check_type("world_size", world_size, int)
+    check_type("timeout", timeout, float)
+    workers = engine.args.tensor_parallel_size * engine.args.data_parallel_size
+    if world_size != 1 + workers:
+        raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
+    try:
+        await engine.rpc("init_communicator", host, state["group_port"], world_size, timeout, timeout=timeout + 10)
+    except Exception as e:
+        return error(504, f"could not join the weight group at {host}:{state['group_port']}: {e}")
+    state["group_timeout"] = timeout
+    return web.json_response({"dtype": str(engine.llm.model_config.dtype).removeprefix("torch."),
+                              "params": state["weight_spec"]})
+
+
+def check_buckets(buckets, spec, dtype):
+    """Reject an update announcement before anything is received or loaded."""
+    if not isinstance(buckets, list) or not buckets:
+        raise BadRequest("'buckets' must be a non-empty list of {size, params}")
+    seen = set()
+    for b in buckets:
+        if not isinstance(b, dict) or not isinstance(b.get("size"), int) or not isinstance(b.get("params"), list):
+            raise BadRequest("each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
+        for p in b["params"]:
+            if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"}:
+                raise BadRequest("each param must be {name, dtype, shape, offset}")
+            name = p["name"]
+            if name not in spec:
+                raise BadRequest(f"unknown parameter '{name}'")
+            if name in seen:
+                raise BadRequest(f"parameter '{name}' sent twice")
+            seen.add(name)
+            if p["shape"] != spec[name]:
+                raise BadRequest(f"'{name}' has shape {p['shape']}, the model's is {spec[name]}")
+            if p["dtype"] != dtype:
+                raise BadRequest(f"'{name}' has dtype {p['dtype']}, the server runs {dtype}")
+            nbytes = DTYPES[dtype].itemsize * math.prod(p["shape"])
+            if not isinstance(p["offset"], int) or p["offset"] < 0 or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
+                raise BadRequest(f"'{name}' at offset {p['offset']} does not fit its bucket of {b['size']} bytes")
+
+
+async def update_weights(request):
+    body = await read_json(request)
+    engine, state = request.app[ENGINE], request.app[STATE]
+    if not state.get("group_timeout"):
+        return error(409, "no weight group: call /init_communicator first")
+    dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
+    check_buckets(body.get("buckets"), state["weight_spec"], dtype)
+    start = time.perf_counter()
+    try:
+        version = await engine.update_weights("receive_weights", body["buckets"], timeout=state["group_timeout"])
+    except Exception as e:
+        state["group_timeout"] = None  # the workers dropped the group
+        return error(504, f"weight update failed, version {engine.version} kept: {e}; call /init_communicator again")
+    request.app[METRICS]["sync_seconds"].observe(time.perf_counter() - start)
+    request.app[METRICS]["version"].set(version)
+    return web.json_response({"version": version})
+
+
+async def close_communicator(request):
+    await request.app[ENGINE].rpc("close_communicator")
+    request.app[STATE]["group_timeout"] = None
+    return web.json_response({"status": "closed"})
+
+
+async def metrics(request):
+    m = request.app[METRICS]
+    m["in_flight"].set(request.app[ENGINE].in_flight)
+    return web.Response(body=prom.generate_latest(m["registry"]), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
+
+
+# -----------------------------------------------------------------------------
+# the app
+
+
+@web.middleware
+async def json_errors(request, handler):
+    """Every HTTP error (413 too large, 405, 404 route) answers as JSON {"error": ...}."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.content_type == "application/json":
+            raise
+        return error(e.status, e.reason if e.text is None or e.text.startswith(str(e.status)) else e.text)
+
+
+def make_metrics():
+    registry = prom.CollectorRegistry()
+    return {
+        "registry": registry,
+        "requests": prom.Counter("asyncgrpo_requests", "Finished generate/rollout calls", registry=registry),
+        "tokens": prom.Counter("asyncgrpo_completion_tokens", "Completion tokens generated", registry=registry),
+        "in_flight": prom.Gauge("asyncgrpo_in_flight", "Prompts being generated", registry=registry),
+        "version": prom.Gauge("asyncgrpo_weight_version", "Current weight version", registry=registry),
+        "sync_seconds": prom.Histogram("asyncgrpo_weight_sync_seconds", "Seconds per weight update", registry=registry),
+    }
+
+
+def make_app(args, group_port=51216, max_body_mb=16) -> web.Application:
+    """The server for AsyncEngineArgs `args`: the engine starts with the app and stops with it."""
+    app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors])
+    app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "group_timeout": None}
+    app[METRICS] = make_metrics()
+
+    async def engine_ctx(app):
+        engine = await Engine.start(args)
+        app[ENGINE] = engine
+        app[STATE]["vocab_size"] = engine.llm.model_config.get_vocab_size()
+        app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
+        yield
+        for task in app[STATE]["tasks"].values():
+            task.cancel()
+        engine.shutdown()
+
+    app.cleanup_ctx.append(engine_ctx)
+    app.router.add_get("/health", health)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/get_future", get_future)
+    app.router.add_post("/init_communicator", init_communicator)
+    app.router.add_post("/update_weights", update_weights)
+    app.router.add_post("/close_communicator", close_communicator)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="async-grpo rollout server: vLLM behind an async HTTP API.")
+    p.add_argument("--model", default=None, help="HF model folder or hub id (default: the built-in tiny model, built on first use)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype; trainer updates must match it")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for vLLM (GPU only)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size in bytes (default on CPU: 256 MiB)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences decoded at once (vLLM's default if unset)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip graph capture/compilation (default: on for CPU, off for GPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to expose it)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--group-port", type=int, default=51216, help="port of the trainer's weight-sync group (NCCL/gloo)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    args = engine_args(a.model or tiny_model(), a.dtype, a.max_model_len, a.gpu_memory_utilization,
+                       a.tensor_parallel_size, a.data_parallel_size, a.seed, a.enforce_eager,
+                       a.kv_cache_memory_bytes, a.max_num_seqs)
+    web.run_app(make_app(args, a.group_port), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+
+
+if __name__ == "__main__":
+    main()

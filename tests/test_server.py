@@ -1,0 +1,119 @@
+"""The server's future protocol, against a real engine on the tiny model.
+
+Run: .venv/bin/python -m pytest tests/test_server.py
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from client import Client, ServerError
+
+
+def post(client, path, **kwargs):
+    return requests.post(client.base_url + path, timeout=60, **kwargs)
+
+
+def test_generate_returns_while_request_still_in_flight(client):
+    future = client.generate(["long"], n=8, max_tokens=1500, ignore_eos=True, is_async=True)
+    with pytest.raises(ServerError) as not_ready:  # a zero-second wait: the result is not there yet
+        client.get_future(future.request_id, timeout=0)
+    assert not_ready.value.status == 408
+    assert client.health()["in_flight"] >= 1
+    [completions] = future.result()
+    assert [len(c.token_ids) for c in completions] == [1500] * 8
+
+
+def test_get_future_by_id_and_by_identical_arguments_agree(client):
+    body = {"prompts": ["abc", "xyz"], "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    first = post(client, "/generate", json=body).json()["request_id"]
+    second = post(client, "/generate", json=body).json()["request_id"]
+    by_id = post(client, "/get_future", json={"request_id": first}).json()
+    by_args = post(client, "/get_future", json=body).json()  # finds the oldest unfetched identical call
+    assert by_args["request_id"] == second
+    assert by_id["completions"] == by_args["completions"]  # same seed, same arguments, same samples
+    assert post(client, "/get_future", json=body).status_code == 404  # both fetched and freed
+
+
+def test_n_completions_each_with_token_ids_and_logprobs(client):
+    results = client.generate(["hello", [5, 6, 7]], n=8, max_tokens=20, temperature=1.0)
+    assert len(results) == 2
+    for completions in results:
+        assert len(completions) == 8
+        for c in completions:
+            assert 1 <= len(c.token_ids) <= 20
+            assert len(c.logprobs) == len(c.token_ids)
+            assert all(lp <= 0 for lp in c.logprobs)
+            assert c.finish_reason in ("stop", "length")
+            assert c.version == client.health()["version"]
+    assert len({tuple(c.token_ids) for c in results[0]}) > 1  # n samples, not one repeated
+
+
+def test_server_matches_synchronous_vllm(client, model_path):
+    from vllm import LLM, SamplingParams
+
+    prompts = ["hello world", "the cat", "1+2="]
+    cases = [dict(temperature=0.0, max_tokens=24), dict(temperature=1.0, top_p=0.9, max_tokens=24, seed=123, n=4)]
+    served = [client.generate(prompts, **case) for case in cases]
+    llm = LLM(model=model_path, dtype="float32", max_model_len=2048, enforce_eager=True, kv_cache_memory_bytes=64 << 20, seed=0)
+    try:
+        for case, results in zip(cases, served):
+            reference = llm.generate(prompts, SamplingParams(**case))
+            for ours, ref in zip(results, reference):
+                assert [c.token_ids for c in ours] == [list(r.token_ids) for r in ref.outputs], case
+                assert [c.text for c in ours] == [r.text for r in ref.outputs], case
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_200_concurrent_requests_all_complete_and_are_freed(client):
+    with ThreadPoolExecutor(16) as pool:
+        futures = list(pool.map(lambda i: Client(client.base_url).generate([f"req {i}"], n=2, max_tokens=8, is_async=True), range(200)))
+        results = list(pool.map(lambda f: f.result(timeout=300), futures))
+    assert len({f.request_id for f in futures}) == 200
+    assert all(len(r) == 1 and len(r[0]) == 2 for r in results)
+    health = client.health()
+    assert health["pending_results"] == 0 and health["in_flight"] == 0
+
+
+BAD_INPUTS = [
+    ({"json": {"n": 1}}, 400, "prompts"),
+    ({"json": {"prompts": []}}, 400, "prompts"),
+    ({"json": {"prompts": "not a list"}}, 400, "prompts"),
+    ({"json": {"prompts": [3]}}, 400, "prompt"),
+    ({"json": {"prompts": [[1, 10**9]]}}, 400, "token ids"),
+    ({"json": {"prompts": ["a"], "n": 0}}, 400, "'n'"),
+    ({"json": {"prompts": ["a"], "max_tokens": -5}}, 400, "max_tokens"),
+    ({"json": {"prompts": ["a"], "temperature": "hot"}}, 400, "temperature"),
+    ({"json": {"prompts": ["a"], "top_p": 7.0}}, 400, "top_p"),
+    ({"json": {"prompts": ["a"], "bogus": 1}}, 400, "bogus"),
+    ({"data": b"{not json"}, 400, "JSON"),
+    ({"json": [1, 2]}, 400, "object"),
+    ({"data": b"x" * (17 << 20)}, 413, ""),
+]
+
+
+@pytest.mark.parametrize("kwargs,status,word", BAD_INPUTS)
+def test_bad_generate_input_gets_4xx_with_message(client, kwargs, status, word):
+    r = post(client, "/generate", **kwargs)
+    assert r.status_code == status
+    assert word in r.json()["error"]
+
+
+def test_unknown_request_id_is_404_and_server_keeps_serving(client):
+    r = post(client, "/get_future", json={"request_id": "no-such-id"})
+    assert r.status_code == 404 and "no such request" in r.json()["error"]
+    assert post(client, "/get_future", json={"request_id": "x", "timeout": -1}).status_code == 400
+    assert client.health()["status"] == "ok"
+    assert len(client.generate(["still serving"], max_tokens=4)[0]) == 1
+
+
+def test_prompt_longer_than_the_model_is_a_4xx_at_get_future(client):
+    with pytest.raises(ServerError) as e:
+        client.generate([[5] * 3000], max_tokens=4)
+    assert e.value.status == 422
+
+
+def test_client_reports_an_unreachable_server():
+    with pytest.raises(ConnectionError, match="unreachable"):
+        Client("http://127.0.0.1:9", timeout=5).health()
