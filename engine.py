@@ -160,7 +160,7 @@ class Engine:
             try:
                 async with self.idle:  # let in-flight requests finish on the old version
                     await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
-                await self.llm.collective_rpc(method, timeout=timeout + 10, args=args)
+                await self.llm.collective_rpc(method, timeout=timeout, args=args)
                 await self.llm.reset_prefix_cache()  # KV computed with old weights must not be reused
                 self.version += 1
                 return self.version

@@ -9,7 +9,7 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
     POST /rollout             {prompts, tools, max_turns, ..., sampling fields} -> 202 {request_id}
     POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
                               -> the result; 408 if not ready in time (ask again, nothing is lost)
-    POST /init_communicator   {host, world_size, timeout} -> join the trainer's weight group
+    POST /init_communicator   {host, world_size} -> join the weight group the trainer hosts at host:group_port
     POST /update_weights      {buckets: [{size, params: [{name, dtype, shape, offset}]}]}
                               -> receive one broadcast per bucket, load, {version}
     POST /close_communicator  leave the weight group
@@ -194,10 +194,9 @@ async def get_future(request):
 async def init_communicator(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    host, world_size, timeout = body.get("host"), body.get("world_size"), body.get("timeout", 60)
+    host, world_size, timeout = body.get("host"), body.get("world_size"), state["sync_timeout"]
     check_type("host", host, str)
     check_type("world_size", world_size, int)
-    check_type("timeout", timeout, float)
     workers = engine.args.tensor_parallel_size * engine.args.data_parallel_size
     if world_size != 1 + workers:
         raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
@@ -239,13 +238,14 @@ def check_buckets(buckets, spec, dtype):
 async def update_weights(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    if not state.get("group_timeout"):
-        return error(409, "no weight group: call /init_communicator first")
     dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
     check_buckets(body.get("buckets"), state["weight_spec"], dtype)
+    if not state["group_timeout"]:
+        return error(409, "no weight group: call /init_communicator first")
     start = time.perf_counter()
     try:
-        version = await engine.update_weights("receive_weights", body["buckets"], timeout=state["group_timeout"])
+        timeout = state["group_timeout"] * (1 + len(body["buckets"]))  # each receive is bounded by group_timeout
+        version = await engine.update_weights("receive_weights", body["buckets"], timeout=timeout)
     except Exception as e:
         state["group_timeout"] = None  # the workers dropped the group
         return error(504, f"weight update failed, version {engine.version} kept: {e}; call /init_communicator again")
@@ -293,10 +293,11 @@ def make_metrics():
     }
 
 
-def make_app(args, group_port=51216, max_body_mb=16) -> web.Application:
+def make_app(args, group_port=51216, sync_timeout=60.0, max_body_mb=16) -> web.Application:
     """The server for AsyncEngineArgs `args`: the engine starts with the app and stops with it."""
     app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors])
-    app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "group_timeout": None}
+    app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "group_timeout": None,
+                  "sync_timeout": sync_timeout}
     app[METRICS] = make_metrics()
 
     async def engine_ctx(app):
@@ -336,6 +337,9 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to expose it)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--group-port", type=int, default=51216, help="port of the trainer's weight-sync group (NCCL/gloo)")
+    p.add_argument("--weight-sync-timeout", type=float, default=60.0,
+                   help="seconds to wait for the trainer while joining the group or receiving a bucket; "
+                        "on timeout the update fails and the old weights and version stay")
     return p.parse_args(argv)
 
 
@@ -344,7 +348,7 @@ def main(argv=None):
     args = engine_args(a.model or tiny_model(), a.dtype, a.max_model_len, a.gpu_memory_utilization,
                        a.tensor_parallel_size, a.data_parallel_size, a.seed, a.enforce_eager,
                        a.kv_cache_memory_bytes, a.max_num_seqs)
-    web.run_app(make_app(args, a.group_port), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    web.run_app(make_app(args, a.group_port, a.weight_sync_timeout), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""Versioned weight sync into the running server, over real gloo transfers.
+
+Run: .venv/bin/python -m pytest tests/test_weight_sync.py
+"""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client import Client, ServerError
+
+PROMPTS = ["hello world", "the cat sat", "1+2="]
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture
+def trainer(server):
+    server.init_communicator()
+    yield server
+    server.close_communicator()
+
+
+def perturbed(model, seed, scale=0.05):
+    copy = AutoModelForCausalLM.from_config(model.config)
+    copy.load_state_dict(model.state_dict())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return copy
+
+
+def hf_greedy(model, tokenizer, prompts, max_tokens=24):
+    out = []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def server_greedy(client, prompts=PROMPTS, max_tokens=24):
+    results = client.generate(prompts, temperature=0.0, max_tokens=max_tokens)
+    return [r[0].token_ids for r in results], {r[0].version for r in results}
+
+
+def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf):
+    model, tokenizer = hf
+    v0 = trainer.health()["version"]
+    original, _ = server_greedy(trainer)
+    assert original == hf_greedy(model, tokenizer, PROMPTS)
+
+    new = perturbed(model, seed=1)
+    assert trainer.update_model_params(new) == v0 + 1
+    tokens, versions = server_greedy(trainer)
+    assert versions == {v0 + 1} and trainer.health()["version"] == v0 + 1
+    assert tokens == hf_greedy(new, tokenizer, PROMPTS)  # would fail with a stale packed (tied) lm_head
+    assert tokens != original
+
+    assert trainer.update_model_params(model.state_dict(), bucket_mb=1) == v0 + 2  # a state dict, several buckets
+    assert server_greedy(trainer) == (original, {v0 + 2})
+
+
+def wait_for_status(client, status, timeout=30):
+    deadline = time.monotonic() + timeout
+    while client.health()["status"] != status:
+        assert time.monotonic() < deadline, f"server never reached status {status}"
+        time.sleep(0.01)
+
+
+def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(trainer, hf):
+    v0 = trainer.health()["version"]
+    early = trainer.generate(["in flight"], n=4, max_tokens=1000, ignore_eos=True, is_async=True)
+    update = {}
+    pusher = threading.Thread(target=lambda: update.setdefault("version", trainer.update_model_params(hf[0])))
+    pusher.start()
+    wait_for_status(trainer, "updating")  # the gate is closed: the update is draining `early`
+    late = Client(trainer.base_url).generate(["during update"], n=4, max_tokens=8, is_async=True)
+    pusher.join(120)
+    assert update["version"] == v0 + 1
+    assert {c.version for c in early.result()[0]} == {v0}
+    assert {c.version for c in late.result()[0]} == {v0 + 1}
+
+
+def post(client, path, body):
+    return requests.post(client.base_url + path, json=body, timeout=60)
+
+
+@pytest.mark.parametrize("param,word", [
+    ({"name": "no.such.weight", "dtype": "float32", "shape": [4], "offset": 0}, "unknown parameter"),
+    ({"name": "model.norm.weight", "dtype": "float32", "shape": [3, 3], "offset": 0}, "shape"),
+    ({"name": "model.norm.weight", "dtype": "bfloat16", "shape": [128], "offset": 0}, "dtype"),
+    ({"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 8}, "offset"),
+])
+def test_bad_update_is_rejected_and_changes_nothing(trainer, param, word):
+    before = server_greedy(trainer), trainer.health()["version"]
+    r = post(trainer, "/update_weights", {"buckets": [{"size": 512, "params": [param]}]})
+    assert r.status_code == 400 and word in r.json()["error"]
+    assert (server_greedy(trainer), trainer.health()["version"]) == before
+
+
+def test_client_checks_names_and_shapes_before_sending(trainer, hf):
+    with pytest.raises(ValueError, match="no parameter"):
+        trainer.update_model_params({"bogus.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match="shape"):
+        trainer.update_model_params({"model.norm.weight": torch.zeros(3)})
+
+
+DYING_TRAINER = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from client import Client, pack
+c = Client({url!r})
+c.init_communicator(timeout=30)
+named = c._named_tensors(torch.load({weights!r}))
+buckets = pack(named, 64 << 10)  # many small buckets
+import threading
+threading.Thread(target=c._request, args=("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}}),
+                 daemon=True).start()
+bucket, tensors = buckets[0]
+buf = torch.zeros(bucket["size"], dtype=torch.uint8)
+opts = torch.distributed.BroadcastOptions(); opts.rootRank = 0
+c.group.broadcast([buf], opts).wait()   # one bucket of many, then die
+print("sent one bucket", flush=True)
+os._exit(1)
+"""
+
+
+def test_trainer_dying_mid_update_leaves_server_serving_old_weights(server, hf, tmp_path):
+    model, _ = hf
+    before = server_greedy(server)
+    v0 = server.health()["version"]
+    weights = tmp_path / "weights.pt"
+    torch.save(perturbed(model, seed=2).state_dict(), weights)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = DYING_TRAINER.format(root=root, url=server.base_url, weights=str(weights))
+    dying = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "sent one bucket" in dying.stdout, dying.stderr[-2000:]
+    start = time.monotonic()
+    assert server_greedy(server) == (before[0], {v0})  # waits at the gate until the update failed
+    assert time.monotonic() - start < 60 + 15  # the server's --weight-sync-timeout plus a margin
+    assert server.health()["version"] == v0
+
+    server.init_communicator()  # a new trainer can join and update
+    try:
+        assert server.update_model_params(model) == v0 + 1
+        assert server_greedy(server)[0] == before[0]
+    finally:
+        server.close_communicator()
+
+
+def test_close_then_init_again(server, hf):
+    v0 = server.health()["version"]
+    for i in range(2):
+        server.init_communicator()
+        assert server.update_model_params(hf[0]) == v0 + i + 1
+        server.close_communicator()
+    with pytest.raises(ServerError) as e:
+        post_ok = post(server, "/update_weights", {"buckets": [{"size": 512, "params": [
+            {"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 0}]}]})
+        raise ServerError(post_ok.status_code, post_ok.json()["error"])
+    assert e.value.status == 409  # no group after close
