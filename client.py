@@ -13,6 +13,11 @@
 Weights travel over NCCL when the trainer's tensors are on CUDA and over gloo otherwise.
 """
 import math
+import os
+import socket
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -185,3 +190,44 @@ def pack(named, bucket_bytes):
     if params:
         buckets.append(({"size": size, "params": params}, tensors))
     return buckets
+
+
+# -----------------------------------------------------------------------------
+# a local server process, for the demo, the tests and the benchmarks
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(*flags, log_path=os.devnull, timeout=300.0, env=None, prefix=()):
+    """Start `python server.py *flags` on free ports; return (process, Client) once it is up.
+    `prefix` goes before the command (e.g. ("taskset", "-c", "0") to pin it to a core)."""
+    port, group_port = free_port(), free_port()
+    server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*prefix, sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    client = Client(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}; see {log_path}")
+        try:
+            client.health(timeout=2)
+            return proc, client
+        except ConnectionError:
+            time.sleep(0.5)
+    stop_server(proc)
+    raise TimeoutError(f"server did not start within {timeout} s; see {log_path}")
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

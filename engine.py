@@ -187,7 +187,10 @@ class SyncEngine:
         return self._run(self.engine.generate(prompts, params, priority), timeout)
 
     def shutdown(self):
-        self.engine.shutdown()
+        async def stop():
+            self.engine.shutdown()
+
+        self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 

@@ -233,6 +233,9 @@ def check_buckets(buckets, spec, dtype):
             nbytes = DTYPES[dtype].itemsize * math.prod(p["shape"])
             if not isinstance(p["offset"], int) or p["offset"] < 0 or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
                 raise BadRequest(f"'{name}' at offset {p['offset']} does not fit its bucket of {b['size']} bytes")
+    if seen != set(spec):  # vLLM reloads whole (fused) layers: a partial update would load garbage
+        missing = sorted(set(spec) - seen)
+        raise BadRequest(f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")
 
 
 async def update_weights(request):

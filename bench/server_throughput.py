@@ -19,8 +19,8 @@ sys.path.insert(0, ROOT)
 
 from vllm import SamplingParams  # noqa: E402
 
+from client import launch_server, stop_server  # noqa: E402
 from engine import SyncEngine, engine_args, tiny_model  # noqa: E402
-from tests.conftest import start_server, stop_server  # noqa: E402
 
 
 def tokens_per_second(generate, rounds):
@@ -47,7 +47,7 @@ def main():
 
     # the server in a subprocess, called through the client (all prompts in one call)
     log = os.path.join(tempfile.mkdtemp(prefix="bench-server-"), "server.log")
-    proc, client = start_server(log)
+    proc, client = launch_server(log_path=log)
     try:
         server = tokens_per_second(
             lambda: client.generate(prompts, n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True), a.rounds)

@@ -1,0 +1,301 @@
+"""GRPO with asynchronous rollouts: train on micro-batch i while the server generates i+1..N.
+
+    python train.py                      # demo: the tiny model learns addition (a few minutes on 2 CPU cores)
+    python train.py --no-overlap         # the synchronous loop, for comparison
+    python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
+        --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
+
+Where this departs from the GRPO paper:
+1. Each batch is used for one optimizer step, so we are exactly on-policy: no PPO ratio or clip.
+2. No KL penalty and no reference model.
+3. The loss is token-level, normalised by all completion tokens of the optimizer step.
+The overlap keeps (1) true: at step s the server holds weights version s, every micro-batch of
+step s is submitted before the weights change, and the loop checks each sample's version.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client import Client, launch_server, stop_server
+from engine import tiny_model
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str = field(default="", metadata={"help": "HF folder or hub id (default: the built-in tiny model, warm-started)"})
+    dataset: str = field(default="", metadata={"help": "jsonl of {prompt, answer}; reward 1 if the last number in the completion equals answer (default: built-in addition)"})
+    dtype: str = field(default="float32", metadata={"help": "dtype of the served weights (the trainer keeps float32)"})
+    server_url: str = field(default="", metadata={"help": "a running server.py (default: start one on the model)"})
+    device: str = field(default="cpu", metadata={"help": "trainer device; cuda sends weights over NCCL, cpu over gloo"})
+    out: str = field(default="runs/demo", metadata={"help": "folder for metrics.jsonl, plot.png and the checkpoint"})
+    # GRPO
+    steps: int = field(default=80, metadata={"help": "optimizer steps"})
+    prompts_per_step: int = field(default=32, metadata={"help": "prompts per optimizer step"})
+    micro_batches: int = field(default=4, metadata={"help": "N: gradient-accumulation micro-batches per step"})
+    group_size: int = field(default=8, metadata={"help": "G: completions per prompt (the server's n)"})
+    max_tokens: int = field(default=4, metadata={"help": "completion length limit"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    # schedule
+    mode: str = field(default="overlap", metadata={"help": "overlap: submit all N micro-batches, train on each as it lands; "
+                                                        "sync: generate, wait, train, one micro-batch at a time; "
+                                                        "sync-batch: generate the whole step as one batch, then train",
+                                                "choices": ["overlap", "sync", "sync-batch"]})
+    warm_start_steps: int = field(default=100, metadata={"help": "supervised steps teaching the tiny model the answer format"})
+    seed: int = field(default=0, metadata={"help": "seed for data, sampling and init"})
+
+    def __post_init__(self):
+        assert self.prompts_per_step % self.micro_batches == 0, "prompts_per_step must be divisible by micro_batches"
+        assert self.group_size >= 2, "GRPO needs at least 2 completions per prompt"
+
+
+def parse_config(argv=None) -> Config:
+    p = argparse.ArgumentParser(description="GRPO with asynchronous rollouts (see the module docstring).")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices"))
+    p.add_argument("--no-overlap", dest="mode", action="store_const", const="sync", help="same as --mode sync")
+    return Config(**vars(p.parse_args(argv)))
+
+
+# -----------------------------------------------------------------------------
+# data and reward
+
+
+def addition_data(n, seed, digits=5):
+    """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
+    rng = random.Random(seed)
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))]
+
+
+def load_data(cfg):
+    if not cfg.dataset:
+        return addition_data(100_000, cfg.seed)
+    with open(cfg.dataset) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def reward(completion: str, answer: str) -> float:
+    """1 if the last number in the completion equals the answer, else 0."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
+    try:
+        return float(bool(numbers) and float(numbers[-1]) == float(answer))
+    except ValueError:
+        return 0.0
+
+
+def warm_start(base, path, steps, seed):
+    """Teach the tiny model the answer *format* ("a+b=" -> a number, then end-of-text) with
+    random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model, tok = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), AutoTokenizer.from_pretrained(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        rows = addition_data(64, rng.random())
+        prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
+        answer_ids = [tok(str(rng.randrange(9))).input_ids + [tok.eos_token_id] for _ in rows]  # any sum 0..8
+        batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
+        loss = -(token_logprobs(model, batch) * batch["mask"]).sum() / batch["mask"].sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# GRPO: advantages and the policy-gradient loss
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(prompts, G) rewards -> advantages normalised within each group; equal rewards -> 0."""
+    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + 1e-4)
+
+
+def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None):
+    """Right-padded (B, T) input_ids, attention, and a loss mask that is 1 on completion tokens
+    (or, for multi-turn episodes, on the tokens the model sampled: `loss_masks`)."""
+    rows = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    masks = loss_masks or [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, completion_ids)]
+    T = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])  # (B, T)
+    attention = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # (B, T)
+    mask = torch.tensor([m + [0] * (T - len(m)) for m in masks], dtype=torch.float32)  # (B, T)
+    return {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}  # mask aligns with targets
+
+
+def token_logprobs(model, batch):
+    """(B, T-1): log p(token t+1 | tokens <= t) under the model."""
+    ids = batch["input_ids"].to(model.device)
+    logits = model(input_ids=ids, attention_mask=batch["attention"].to(model.device)).logits[:, :-1].float()
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1).cpu()
+
+
+def pg_loss_sum(model, batch, advantages):
+    """Sum over the batch's completion tokens of -A * log p(token). The caller divides the summed
+    gradient of the whole optimizer step by its number of completion tokens."""
+    return -(advantages[:, None] * token_logprobs(model, batch) * batch["mask"]).sum()
+
+
+# -----------------------------------------------------------------------------
+# the rollout schedules: each yields the micro-batches' results in order
+
+
+def rollouts(client, micro_batches, cfg):
+    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+    prompts = [[r["prompt"] for r in mb] for mb in micro_batches]
+    if cfg.mode == "overlap":
+        # the overlap: submit every micro-batch now (lower priority runs first, so they finish in
+        # order), then hand each one to the trainer as soon as it lands while the rest generate
+        futures = [client.generate(p, priority=i, is_async=True, **sampling) for i, p in enumerate(prompts)]
+        for f in futures:
+            yield f.result()
+    elif cfg.mode == "sync":
+        for p in prompts:
+            yield client.generate(p, **sampling)
+    else:  # sync-batch: one big request, then train on its slices
+        results = client.generate(sum(prompts, []), **sampling)
+        for i in range(len(prompts)):
+            yield results[i * len(prompts[0]):(i + 1) * len(prompts[0])]
+
+
+# -----------------------------------------------------------------------------
+# logging
+
+
+def plot(history, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    ax1.plot(steps, [h["reward"] for h in history], marker=".")
+    ax1.set_ylabel("mean reward")
+    ax1.set_title("GRPO, overlapped rollouts" if history[0]["mode"] == "overlap" else f"GRPO, {history[0]['mode']} rollouts")
+    bottom = [0.0] * len(steps)
+    for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
+        values = [h[key] for h in history]
+        ax2.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s").replace("idle", "idle (waiting for rollouts)"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax2.plot(steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server, in parallel)")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("seconds")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# the loop
+
+
+def train(cfg: Config, client: Client):
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    data = load_data(cfg)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    client.init_communicator(device=cfg.device)
+    version = client.health()["version"]
+    os.makedirs(cfg.out, exist_ok=True)
+    history, N = [], cfg.micro_batches
+    with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
+        for step in bar:
+            rows = rng.sample(data, cfg.prompts_per_step)
+            micro_batches = [rows[i::N] for i in range(N)]
+            t_step = time.perf_counter()
+            train_s = idle_s = 0.0
+            rewards_all, tokens, logprob_err = [], 0, []
+            results = rollouts(client, micro_batches, cfg)
+            for mb in micro_batches:
+                t0 = time.perf_counter()
+                completions = next(results)  # [prompt][G] Completion; idle while it is not ready
+                t_ready = time.perf_counter()
+                idle_s += t_ready - t0
+                if any(c.version != version for group in completions for c in group):
+                    raise RuntimeError(f"off-policy sample at step {step}: expected weight version {version}")
+                rewards = torch.tensor([[reward(c.text, r["answer"]) for c in group] for r, group in zip(mb, completions)])
+                advantages = group_advantages(rewards).flatten()  # (B,) with B = prompts * G
+                prompt_ids = [tok(r["prompt"]).input_ids for r in mb for _ in range(cfg.group_size)]
+                completion_ids = [c.token_ids for group in completions for c in group]
+                batch = make_batch(prompt_ids, completion_ids, tok.pad_token_id)
+                loss = pg_loss_sum(model, batch, advantages.to(torch.float32))
+                loss.backward()  # gradients accumulate; normalised once the whole step is in
+                tokens += int(batch["mask"].sum())
+                rewards_all.append(rewards.flatten())
+                train_s += time.perf_counter() - t_ready
+            gen_s = t_ready - t_step  # when the last micro-batch landed
+            # the loss normalisation: divide the summed gradient by every completion token of the step
+            t0 = time.perf_counter()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= max(tokens, 1)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            train_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sampled_version, version = version, client.update_model_params(model)  # step s+1 samples from these
+            sync_s = time.perf_counter() - t0
+            step_s = time.perf_counter() - t_step
+            G, T, S = (gen_s, train_s, sync_s)
+            row = {"step": step, "reward": torch.cat(rewards_all).mean().item(), "version": sampled_version, "mode": cfg.mode,
+                   "grad_norm": grad_norm.item(), "tokens": tokens, "gen_s": G, "train_s": T, "sync_s": S,
+                   "idle_s": idle_s, "step_s": step_s, "bound": (G + T + S) / (max(G, T) + min(G, T) / N + S)}
+            history.append(row)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{step_s:.2f}")
+    client.close_communicator()
+    plot(history, os.path.join(cfg.out, "plot.png"))
+    model.save_pretrained(os.path.join(cfg.out, "checkpoint"))
+    tok.save_pretrained(os.path.join(cfg.out, "checkpoint"))
+    first, last = history[:5], history[-5:]
+    print(f"reward: first 5 steps {sum(h['reward'] for h in first) / len(first):.3f}, "
+          f"last 5 steps {sum(h['reward'] for h in last) / len(last):.3f}; outputs in {cfg.out}")
+    return history
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    if not cfg.model:
+        cfg.model = warm_start(tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed)
+    print(json.dumps(asdict(cfg)))
+    if cfg.server_url:
+        return train(cfg, Client(cfg.server_url))
+    # admission control: the engine runs one micro-batch of sequences at a time, in priority order
+    seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
+    os.makedirs(cfg.out, exist_ok=True)
+    proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, "--max-num-seqs", str(seqs),
+                                 "--seed", str(cfg.seed), log_path=os.path.join(cfg.out, "server.log"))
+    try:
+        return train(cfg, client)
+    finally:
+        stop_server(proc)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
