@@ -1,0 +1,85 @@
+"""GRPO pieces and short training runs through a real server.
+
+Run: .venv/bin/python -m pytest tests/test_train.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import torch
+from transformers import AutoModelForCausalLM
+
+import train
+
+
+def random_batch(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 6, (n, 2), generator=g).tolist()
+    prompts = [torch.randint(2, 90, (p,), generator=g).tolist() for p, _ in lengths]
+    completions = [torch.randint(2, 90, (c,), generator=g).tolist() for _, c in lengths]
+    return prompts, completions, torch.randn(n, generator=g)
+
+
+def step_gradient(model, prompts, completions, advantages, micro_batches):
+    """The trainer's recipe: summed losses per micro-batch, then one division by all tokens."""
+    model.zero_grad()
+    tokens, size = 0, len(prompts) // micro_batches
+    for i in range(0, len(prompts), size):
+        batch = train.make_batch(prompts[i:i + size], completions[i:i + size], pad_id=1)
+        train.pg_loss_sum(model, batch, advantages[i:i + size]).backward()
+        tokens += batch["mask"].sum()
+    return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
+
+
+def test_micro_batches_give_the_gradient_of_one_batch(model_path):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    prompts, completions, advantages = random_batch(16, seed=0)
+    one = step_gradient(model, prompts, completions, advantages, micro_batches=1)
+    four = step_gradient(model, prompts, completions, advantages, micro_batches=4)
+    assert one.abs().max() > 0
+    assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)
+
+
+def test_loss_mask_excludes_prompt_and_padding():
+    batch = train.make_batch([[5, 6, 7], [5]], [[8, 9], [8, 9, 10]], pad_id=1)  # second row padded
+    # targets are input_ids[:, 1:]; the mask is 1 exactly where the target is a completion token
+    assert batch["mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+
+
+def test_equal_rewards_give_zero_advantage_and_no_nan():
+    rewards = torch.tensor([[1.0] * 8, [0.0] * 8, [0.0, 1.0] * 4])
+    adv = train.group_advantages(rewards)
+    assert not adv.isnan().any()
+    assert adv[:2].abs().max() == 0
+    assert adv[2].sum().abs() < 1e-5 and adv[2].abs().min() > 0.5
+
+
+def test_reward_reads_the_last_number():
+    assert train.reward("7", "7") == 1.0 and train.reward("so 3+4 = 7", "7") == 1.0
+    assert train.reward("8", "7") == 0.0 and train.reward("", "7") == 0.0
+
+
+def test_overlapped_run_is_on_policy(server, model_path, tmp_path):
+    v0 = server.health()["version"]
+    cfg = train.Config(model=model_path, steps=3, prompts_per_step=8, micro_batches=4, group_size=4, out=str(tmp_path))
+    history = train.train(cfg, server)  # raises if any sample's version differs from the step's
+    assert [h["version"] for h in history] == [v0, v0 + 1, v0 + 2]
+    assert server.health()["version"] == v0 + 3
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows)
+
+
+def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
+    out = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--model", model_path, "--steps", "3",
+                          "--prompts-per-step", "8", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(open(out / "metrics.jsonl").readlines()) == 3
+    assert (out / "plot.png").stat().st_size > 10_000
+    assert (out / "checkpoint" / "model.safetensors").exists()
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
