@@ -24,7 +24,7 @@ from datetime import timedelta
 import requests
 import torch
 
-from engine import Completion, group_backend
+from engine import Completion, Episode, group_backend
 
 
 class ServerError(Exception):
@@ -80,6 +80,18 @@ class Client:
         future = RemoteFuture(self, request_id)
         return future if is_async else future.result()
 
+    def rollout(self, prompts, n=1, tools=None, max_turns=4, max_episode_tokens=256, temperature=1.0, max_tokens=64,
+                is_async=False, **sampling):
+        """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask, logprobs,
+        turns, tool_calls, finish_reason). `tools` limits which registered tools may be called; a turn
+        ending in `call_end` ("</tool>" unless given) calls "NAME ARGUMENT" written after `call_start`."""
+        body = dict(prompts=list(prompts), n=n, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
+                    temperature=temperature, max_tokens=max_tokens, **sampling)
+        if tools is not None:
+            body["tools"] = list(tools)
+        future = RemoteFuture(self, self._request("POST", "/rollout", body)["request_id"], kind="rollout")
+        return future if is_async else future.result()
+
     def get_future(self, request_id, timeout=None, kind="generate"):
         deadline = self.timeout if timeout is None else timeout
         waited = 0.0
@@ -93,7 +105,7 @@ class Client:
                 if e.status != 408 or waited >= deadline:
                     raise
         if kind == "rollout":
-            return reply["episodes"]
+            return [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
         return [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
 
     # -- weight sync (the trainer is rank 0) ----------------------------------

@@ -10,12 +10,14 @@ so no completion ever mixes two versions. `RolloutEngine` runs multi-turn tool e
 same engine; `SyncEngine` drives an engine from plain (non-async) Python code.
 `tiny_model()` builds the small model that tests and the demo use when nothing is downloaded.
 """
+import ast
 import asyncio
-import json
+import operator
 import os
 import threading
 import uuid
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -192,6 +194,137 @@ class SyncEngine:
 
         self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+# -----------------------------------------------------------------------------
+# multi-turn tool episodes: generate -> tool call -> generate -> ...
+
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+             ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculator(expression: str) -> str:
+    """The built-in tool: arithmetic (+ - * / ** and parentheses) on numbers, nothing else."""
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+    result = value(ast.parse(expression.strip(), mode="eval").body)
+    return str(int(result) if float(result).is_integer() else round(result, 6))
+
+
+@dataclass
+class Episode:
+    token_ids: list[int]  # prompt, then each turn's sampled tokens and each tool's output, in order
+    loss_mask: list[int]  # 1 on tokens the model sampled, 0 on prompt and tool tokens
+    logprobs: list[float | None]  # the sampled token's logprob where loss_mask is 1, else None
+    turns: list[dict]  # per model turn: text, version, finish_reason
+    tool_calls: list[dict]  # per call: name, argument, result
+    finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
+
+
+class RolloutEngine:
+    """Tool episodes on the shared Engine; each turn is an ordinary engine request.
+
+    A turn that ends with `call_end` is a tool call: the text since the last `call_start` is
+    "NAME ARGUMENT"; the tool's output, wrapped in `result_format`, is tokenised once and appended.
+    Tools are Python functions of one string, or tools of MCP servers (add_mcp_server). A tool
+    that raises, times out or does not exist answers with an error text; the episode goes on.
+    """
+
+    def __init__(self, engine: Engine, tools=None, call_start="<tool>", call_end="</tool>",
+                 result_format="<result>{}</result>", tool_timeout=10.0):
+        self.engine, self.tools = engine, {"calc": calculator, **(tools or {})}
+        self.call_start, self.call_end, self.result_format, self.tool_timeout = call_start, call_end, result_format, tool_timeout
+        self.mcp = {}  # tool name -> (MCP client session, name of its argument)
+        self.stack = AsyncExitStack()
+
+    async def add_mcp_server(self, command, *args):
+        """Start an MCP server over stdio and register its tools."""
+        from mcp import ClientSession, StdioServerParameters
+        from mcp.client.stdio import stdio_client
+
+        read, write = await self.stack.enter_async_context(stdio_client(StdioServerParameters(command=command, args=list(args))))
+        session = await self.stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        for tool in (await session.list_tools()).tools:
+            self.mcp[tool.name] = (session, next(iter(tool.input_schema.get("properties", {"input": None}))))
+        return sorted(self.mcp)
+
+    async def close(self):
+        await self.stack.aclose()
+
+    @property
+    def tool_names(self):
+        return sorted(self.tools) + sorted(self.mcp)
+
+    async def call_tool(self, name, argument, allowed=None) -> str:
+        try:
+            if allowed is not None and name not in allowed:
+                return f"error: tool '{name}' is not available"
+            if name in self.tools:
+                return str(await asyncio.wait_for(asyncio.to_thread(self.tools[name], argument), self.tool_timeout))
+            if name in self.mcp:
+                session, key = self.mcp[name]
+                result = await asyncio.wait_for(session.call_tool(name, {key: argument}), self.tool_timeout)
+                return "".join(getattr(c, "text", "") for c in result.content)
+            return f"error: unknown tool '{name}'"
+        except asyncio.TimeoutError:
+            return f"error: tool '{name}' timed out after {self.tool_timeout} s"
+        except Exception as e:  # a tool's failure is the episode's business, not the server's
+            return f"error: {type(e).__name__}: {e}"
+
+    async def episode(self, prompt, params: SamplingParams, max_turns=4, max_episode_tokens=256, tools=None,
+                      call_start=None, call_end=None) -> Episode:
+        call_start, call_end = call_start or self.call_start, call_end or self.call_end
+        ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
+        text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+        ep = Episode(list(ids), [0] * len(ids), [None] * len(ids), [], [], "max_turns")
+        budget = max_episode_tokens  # tokens after the prompt: sampled and tool output
+        for turn in range(max_turns):
+            p = params.clone()
+            p.n, p.max_tokens, p.include_stop_str_in_output = 1, min(params.max_tokens, budget), True
+            p.stop = list(params.stop or []) + [call_end]
+            p.seed = None if params.seed is None else params.seed + turn
+            [[c]] = await self.engine.generate([ep.token_ids], p)
+            ep.token_ids += c.token_ids  # exactly as sampled: never re-tokenised
+            ep.loss_mask += [1] * len(c.token_ids)
+            ep.logprobs += c.logprobs
+            ep.turns.append({"text": c.text, "version": c.version, "finish_reason": c.finish_reason})
+            text, budget = text + c.text, budget - len(c.token_ids)
+            if not c.text.endswith(call_end):
+                ep.finish_reason = c.finish_reason  # the model answered (or ran out of max_tokens)
+                break
+            call = text[:-len(call_end)].rpartition(call_start)[2].strip()
+            name, _, argument = call.partition(" ")
+            result = await self.call_tool(name, argument, tools)
+            ep.tool_calls.append({"name": name, "argument": argument, "result": result})
+            output = self.result_format.format(result)
+            out_ids = self.engine.tokenizer.encode(output, add_special_tokens=False)  # tokenised once, here
+            ep.token_ids += out_ids
+            ep.loss_mask += [0] * len(out_ids)
+            ep.logprobs += [None] * len(out_ids)
+            text, budget = text + output, budget - len(out_ids)
+            if budget <= 0:
+                ep.finish_reason = "budget"
+                break
+        return ep
+
+    async def rollout(self, prompts, params: SamplingParams, max_turns=4, max_episode_tokens=256, tools=None,
+                      call_start=None, call_end=None):
+        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode."""
+        def seeded(k):
+            p = params.clone()
+            p.seed = None if params.seed is None else params.seed + 1000 * k  # different episodes, reproducibly
+            return p
+        episodes = await asyncio.gather(*(self.episode(prompt, seeded(k), max_turns, max_episode_tokens, tools,
+                                                       call_start, call_end)
+                                          for prompt in prompts for k in range(params.n)))
+        return [episodes[i:i + params.n] for i in range(0, len(episodes), params.n)]
 
 
 # -----------------------------------------------------------------------------

@@ -6,7 +6,8 @@
 Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error": message}):
     GET  /health              status, model, weight version, requests in flight, group port
     POST /generate            {prompts, n, temperature, ..., priority} -> 202 {request_id}, at once
-    POST /rollout             {prompts, tools, max_turns, ..., sampling fields} -> 202 {request_id}
+    POST /rollout             {prompts, tools, max_turns, max_episode_tokens, call_start, call_end,
+                               sampling fields} -> 202 {request_id}; multi-turn tool episodes
     POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
                               -> the result; 408 if not ready in time (ask again, nothing is lost)
     POST /init_communicator   {host, world_size} -> join the weight group the trainer hosts at host:group_port
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import time
 import uuid
 from collections import deque
@@ -28,7 +30,7 @@ import prometheus_client as prom
 from aiohttp import web
 from vllm import SamplingParams
 
-from engine import DTYPES, Engine, engine_args, tiny_model
+from engine import DTYPES, Engine, RolloutEngine, engine_args, tiny_model
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
 SAMPLING_FIELDS = {
@@ -38,6 +40,7 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
 ENGINE = web.AppKey("engine", Engine)
+ROLLOUT = web.AppKey("rollout", RolloutEngine)
 STATE = web.AppKey("state", dict)
 METRICS = web.AppKey("metrics", dict)
 
@@ -148,7 +151,7 @@ async def health(request):
         "status": "updating" if not engine.gate.is_set() else "ok", "model": engine.args.model,
         "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state["tasks"]),
         "group_port": state["group_port"], "workers": engine.args.tensor_parallel_size * engine.args.data_parallel_size,
-        "dtype": str(engine.llm.model_config.dtype).removeprefix("torch."),
+        "dtype": str(engine.llm.model_config.dtype).removeprefix("torch."), "tools": request.app[ROLLOUT].tool_names,
     })
 
 
@@ -168,6 +171,34 @@ async def generate(request):
     check_type("priority", priority, int)
     request_id = submit(request.app, body, run_generate(request.app, prompts, params, priority))
     return web.json_response({"request_id": request_id}, status=202)
+
+
+async def run_rollout(app, prompts, params, *options):
+    episodes = await app[ROLLOUT].rollout(prompts, params, *options)
+    app[METRICS]["requests"].inc()
+    app[METRICS]["tokens"].inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
+    return {"episodes": [[asdict(e) for e in per_prompt] for per_prompt in episodes]}
+
+
+async def rollout(request):
+    body = await read_json(request)
+    prompts = parse_prompts(body, request.app[STATE]["vocab_size"])
+    params = parse_sampling(body, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end"))
+    max_turns, budget, tools = body.get("max_turns", 4), body.get("max_episode_tokens", 256), body.get("tools")
+    for name, value in (("max_turns", max_turns), ("max_episode_tokens", budget)):
+        check_type(name, value, int)
+        if value < 1:
+            raise BadRequest(f"'{name}' must be >= 1")
+    known = request.app[ROLLOUT].tool_names
+    if tools is not None and (not isinstance(tools, list) or not set(tools) <= set(known)):
+        raise BadRequest(f"'tools' must be a list of registered tool names: {known}")
+    call_start, call_end = body.get("call_start", "<tool>"), body.get("call_end", "</tool>")
+    for name, value in (("call_start", call_start), ("call_end", call_end)):
+        check_type(name, value, str)
+        if not value:
+            raise BadRequest(f"'{name}' must be a non-empty string")
+    coro = run_rollout(request.app, prompts, params, max_turns, budget, tools, call_start, call_end)
+    return web.json_response({"request_id": submit(request.app, body, coro)}, status=202)
 
 
 async def get_future(request):
@@ -296,7 +327,7 @@ def make_metrics():
     }
 
 
-def make_app(args, group_port=51216, sync_timeout=60.0, max_body_mb=16) -> web.Application:
+def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), max_body_mb=16) -> web.Application:
     """The server for AsyncEngineArgs `args`: the engine starts with the app and stops with it."""
     app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors])
     app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "group_timeout": None,
@@ -308,14 +339,19 @@ def make_app(args, group_port=51216, sync_timeout=60.0, max_body_mb=16) -> web.A
         app[ENGINE] = engine
         app[STATE]["vocab_size"] = engine.llm.model_config.get_vocab_size()
         app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
+        app[ROLLOUT] = RolloutEngine(engine)
+        for command in mcp_servers:
+            await app[ROLLOUT].add_mcp_server(*shlex.split(command))
         yield
         for task in app[STATE]["tasks"].values():
             task.cancel()
+        await app[ROLLOUT].close()
         engine.shutdown()
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_get("/health", health)
     app.router.add_post("/generate", generate)
+    app.router.add_post("/rollout", rollout)
     app.router.add_post("/get_future", get_future)
     app.router.add_post("/init_communicator", init_communicator)
     app.router.add_post("/update_weights", update_weights)
@@ -343,6 +379,9 @@ def parse_args(argv=None):
     p.add_argument("--weight-sync-timeout", type=float, default=60.0,
                    help="seconds to wait for the trainer while joining the group or receiving a bucket; "
                         "on timeout the update fails and the old weights and version stay")
+    p.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND",
+                   help="an MCP server to start over stdio, whose tools /rollout may call (repeatable), "
+                        "e.g. --mcp-server 'python tests/mcp_server.py'; the Python tool 'calc' is built in")
     return p.parse_args(argv)
 
 
@@ -351,7 +390,7 @@ def main(argv=None):
     args = engine_args(a.model or tiny_model(), a.dtype, a.max_model_len, a.gpu_memory_utilization,
                        a.tensor_parallel_size, a.data_parallel_size, a.seed, a.enforce_eager,
                        a.kv_cache_memory_bytes, a.max_num_seqs)
-    web.run_app(make_app(args, a.group_port, a.weight_sync_timeout), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    web.run_app(make_app(args, a.group_port, a.weight_sync_timeout, a.mcp_server), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ The overlap keeps (1) true: at step s the server holds weights version s, every 
 step s is submitted before the weights change, and the loop checks each sample's version.
 """
 import argparse
+import functools
 import json
 import os
 import random
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import Client, launch_server, stop_server
-from engine import tiny_model
+from engine import Episode, tiny_model
 
 
 @dataclass
@@ -35,6 +36,10 @@ class Config:
     # model and data
     model: str = field(default="", metadata={"help": "HF folder or hub id (default: the built-in tiny model, warm-started)"})
     dataset: str = field(default="", metadata={"help": "jsonl of {prompt, answer}; reward 1 if the last number in the completion equals answer (default: built-in addition)"})
+    task: str = field(default="addition", metadata={"help": "addition: one completion per sample; calculator: multi-turn episodes "
+                                                        "that may call the 'calc' tool (trained with their loss mask)",
+                                                "choices": ["addition", "calculator"]})
+    max_turns: int = field(default=3, metadata={"help": "calculator task: model turns per episode"})
     dtype: str = field(default="float32", metadata={"help": "dtype of the served weights (the trainer keeps float32)"})
     server_url: str = field(default="", metadata={"help": "a running server.py (default: start one on the model)"})
     device: str = field(default="cpu", metadata={"help": "trainer device; cuda sends weights over NCCL, cpu over gloo"})
@@ -80,9 +85,19 @@ def addition_data(n, seed, digits=5):
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))]
 
 
+def calculator_data(n, seed):
+    """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        q = f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}"
+        rows.append({"prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n", "answer": str(eval(q))})
+    return rows
+
+
 def load_data(cfg):
     if not cfg.dataset:
-        return addition_data(100_000, cfg.seed)
+        return (calculator_data if cfg.task == "calculator" else addition_data)(100_000, cfg.seed)
     with open(cfg.dataset) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -156,24 +171,39 @@ def pg_loss_sum(model, batch, advantages):
     return -(advantages[:, None] * token_logprobs(model, batch) * batch["mask"]).sum()
 
 
+def sequence(row, sample, tok):
+    """One sample as token ids, loss mask (1 = sampled by the model), reward, and the weight
+    versions that produced it (an episode has one per turn)."""
+    if isinstance(sample, Episode):
+        return {"ids": sample.token_ids, "mask": sample.loss_mask, "reward": reward(sample.turns[-1]["text"], row["answer"]),
+                "versions": [t["version"] for t in sample.turns]}
+    prompt = tok(row["prompt"]).input_ids
+    return {"ids": prompt + sample.token_ids, "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
+            "reward": reward(sample.text, row["answer"]), "versions": [sample.version]}
+
+
 # -----------------------------------------------------------------------------
 # the rollout schedules: each yields the micro-batches' results in order
 
 
 def rollouts(client, micro_batches, cfg):
     sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+    request = client.generate
+    if cfg.task == "calculator":  # episodes: generate -> tool -> generate ..., as one server request each
+        request = functools.partial(client.rollout, tools=["calc"], max_turns=cfg.max_turns,
+                                    max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16))
     prompts = [[r["prompt"] for r in mb] for mb in micro_batches]
     if cfg.mode == "overlap":
         # the overlap: submit every micro-batch now (lower priority runs first, so they finish in
         # order), then hand each one to the trainer as soon as it lands while the rest generate
-        futures = [client.generate(p, priority=i, is_async=True, **sampling) for i, p in enumerate(prompts)]
+        futures = [request(p, priority=i, is_async=True, **sampling) for i, p in enumerate(prompts)]
         for f in futures:
             yield f.result()
     elif cfg.mode == "sync":
         for p in prompts:
-            yield client.generate(p, **sampling)
+            yield request(p, **sampling)
     else:  # sync-batch: one big request, then train on its slices
-        results = client.generate(sum(prompts, []), **sampling)
+        results = request(sum(prompts, []), **sampling)
         for i in range(len(prompts)):
             yield results[i * len(prompts[0]):(i + 1) * len(prompts[0])]
 
@@ -228,20 +258,19 @@ def train(cfg: Config, client: Client):
             micro_batches = [rows[i::N] for i in range(N)]
             t_step = time.perf_counter()
             train_s = idle_s = 0.0
-            rewards_all, tokens, logprob_err = [], 0, []
+            rewards_all, tokens = [], 0
             results = rollouts(client, micro_batches, cfg)
             for mb in micro_batches:
                 t0 = time.perf_counter()
-                completions = next(results)  # [prompt][G] Completion; idle while it is not ready
+                samples = next(results)  # [prompt][G] Completion or Episode; idle while not ready
                 t_ready = time.perf_counter()
                 idle_s += t_ready - t0
-                if any(c.version != version for group in completions for c in group):
+                seqs = [sequence(r, x, tok) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
+                if any(v != version for seq in seqs for v in seq["versions"]):
                     raise RuntimeError(f"off-policy sample at step {step}: expected weight version {version}")
-                rewards = torch.tensor([[reward(c.text, r["answer"]) for c in group] for r, group in zip(mb, completions)])
-                advantages = group_advantages(rewards).flatten()  # (B,) with B = prompts * G
-                prompt_ids = [tok(r["prompt"]).input_ids for r in mb for _ in range(cfg.group_size)]
-                completion_ids = [c.token_ids for group in completions for c in group]
-                batch = make_batch(prompt_ids, completion_ids, tok.pad_token_id)
+                rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
+                advantages = group_advantages(rewards).flatten()  # (B,)
+                batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs])
                 loss = pg_loss_sum(model, batch, advantages.to(torch.float32))
                 loss.backward()  # gradients accumulate; normalised once the whole step is in
                 tokens += int(batch["mask"].sum())
