@@ -248,6 +248,7 @@ def check_buckets(buckets, spec, dtype):
     for b in buckets:
         if not isinstance(b, dict) or not isinstance(b.get("size"), int) or not isinstance(b.get("params"), list):
             raise BadRequest("each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
+        end = 0  # tensors lie in the bucket in order, without overlapping
         for p in b["params"]:
             if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"}:
                 raise BadRequest("each param must be {name, dtype, shape, offset}")
@@ -262,8 +263,9 @@ def check_buckets(buckets, spec, dtype):
             if p["dtype"] != dtype:
                 raise BadRequest(f"'{name}' has dtype {p['dtype']}, the server runs {dtype}")
             nbytes = DTYPES[dtype].itemsize * math.prod(p["shape"])
-            if not isinstance(p["offset"], int) or p["offset"] < 0 or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
-                raise BadRequest(f"'{name}' at offset {p['offset']} does not fit its bucket of {b['size']} bytes")
+            if not isinstance(p["offset"], int) or p["offset"] < end or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
+                raise BadRequest(f"'{name}' at offset {p['offset']} overlaps or does not fit its bucket of {b['size']} bytes")
+            end = p["offset"] + nbytes
     if seen != set(spec):  # vLLM reloads whole (fused) layers: a partial update would load garbage
         missing = sorted(set(spec) - seen)
         raise BadRequest(f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")

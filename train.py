@@ -249,7 +249,7 @@ def train(cfg: Config, client: Client):
     tok = AutoTokenizer.from_pretrained(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     client.init_communicator(device=cfg.device)
-    version = client.health()["version"]
+    version = client.update_model_params(model)  # the server now samples from exactly these weights
     os.makedirs(cfg.out, exist_ok=True)
     history, N = [], cfg.micro_batches
     with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
@@ -276,7 +276,9 @@ def train(cfg: Config, client: Client):
                 tokens += int(batch["mask"].sum())
                 rewards_all.append(rewards.flatten())
                 train_s += time.perf_counter() - t_ready
-            gen_s = t_ready - t_step  # when the last micro-batch landed
+            # G: overlapped, generation runs until the last micro-batch lands; synchronous, the
+            # trainer waits for all of it (and the server is idle while it trains)
+            gen_s = t_ready - t_step if cfg.mode == "overlap" else idle_s
             # the loss normalisation: divide the summed gradient by every completion token of the step
             t0 = time.perf_counter()
             for p in model.parameters():

@@ -1,7 +1,7 @@
 """GRPO step time with overlapped rollouts versus the two synchronous schedules, on one server.
 
-    .venv/bin/python bench/overlap.py                        # about 5 minutes on 2 cores
-    .venv/bin/python bench/overlap.py --steps 6 --hidden-size 192
+    .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T; ~4 min
+    .venv/bin/python bench/overlap.py --steps 6 --num-layers 6    # a bigger model: T grows faster than G
 
 Core 0 plays the inference GPU: the server runs under `taskset -c 0` with
 VLLM_CPU_OMP_THREADS_BIND=0 (its worker's OpenMP threads: one, on core 0). Core 1 plays the
@@ -21,6 +21,7 @@ Per mode, medians over steps after the first `--warmup` of train.py's metrics.js
         counts training on micro-batches 1..N-1)
   T, S  `train_s` (forward/backward + optimizer step) and `sync_s` (weight update)
   idle  `idle_s`, the trainer waiting for rollouts;   step  `step_s`
+  tokens  completion tokens per step: the three runs should do the same work (hence the small --lr)
 The last line is `overlap_speedup=<x> bound=<b> efficiency=<x/b>`: x is the faster synchronous
 step time over the overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from that same
 synchronous run's G, T, S, the best the overlap can do against it.
@@ -48,7 +49,7 @@ def medians(history, warmup):
     """Per-step medians of G, T, S, idle, step, skipping the warm-up steps."""
     rows = history[warmup:]
     gen = "gen_s" if rows[0]["mode"] == "overlap" else "idle_s"  # see the module docstring
-    keys = {"G": gen, "T": "train_s", "S": "sync_s", "idle": "idle_s", "step": "step_s"}
+    keys = {"G": gen, "T": "train_s", "S": "sync_s", "idle": "idle_s", "step": "step_s", "tokens": "tokens"}
     return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
 
 
@@ -70,10 +71,11 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="first steps of each mode left out of the medians")
     p.add_argument("--hidden-size", type=int, default=256, help="hidden size of the tiny Qwen2 (bigger: T grows faster than G)")
     p.add_argument("--num-layers", type=int, default=4, help="layers of the tiny Qwen2")
-    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimizer step")
+    p.add_argument("--prompts-per-step", type=int, default=48, help="prompts per optimizer step")
     p.add_argument("--micro-batches", type=int, default=4, help="N: micro-batches per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=48, help="completion length limit")
+    p.add_argument("--max-tokens", type=int, default=32, help="completion length limit")
+    p.add_argument("--lr", type=float, default=1e-4, help="small, so the policy (and its completion lengths, i.e. the work per step) stays put")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-overlap"), help="folder for the runs and server.log")
     args = p.parse_args()
 
@@ -91,7 +93,7 @@ def main():
         for mode in MODES:
             cfg = train.Config(model=model, out=os.path.join(args.out, mode), steps=args.steps, mode=mode,
                                prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
-                               group_size=args.group_size, max_tokens=args.max_tokens)
+                               group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr)
             print(json.dumps(vars(cfg)), flush=True)
             reset_weights(client, model)
             results[mode] = medians(train.train(cfg, client), args.warmup)
@@ -100,9 +102,9 @@ def main():
 
     N = args.micro_batches
     print(f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step (N={N}, {seqs} sequences per micro-batch)")
-    print(f"{'mode':<11} {'G':>6} {'T':>6} {'S':>6} {'idle':>6} {'step':>6}")
+    print(f"{'mode':<11} {'G':>6} {'T':>6} {'S':>6} {'idle':>6} {'step':>6} {'tokens':>7}")
     for mode, m in results.items():
-        print(f"{mode:<11} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")))
+        print(f"{mode:<11} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")) + f" {m['tokens']:7.0f}")
     baseline = min(("sync", "sync-batch"), key=lambda mode: results[mode]["step"])  # the strongest synchronous loop
     x = results[baseline]["step"] / results["overlap"]["step"]
     b = bound(results[baseline], N)

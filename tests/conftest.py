@@ -29,3 +29,14 @@ def server(model_path, tmp_path_factory):
 @pytest.fixture
 def client(server):
     return server
+
+
+@pytest.fixture
+def restore_weights(server, model_path):
+    """Push the tiny model's original weights back after a test that trained the server's."""
+    yield
+    from transformers import AutoModelForCausalLM
+
+    server.init_communicator()
+    server.update_model_params(AutoModelForCausalLM.from_pretrained(model_path))
+    server.close_communicator()

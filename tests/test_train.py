@@ -61,12 +61,12 @@ def test_reward_reads_the_last_number():
     assert train.reward("8", "7") == 0.0 and train.reward("", "7") == 0.0
 
 
-def test_overlapped_run_is_on_policy(server, model_path, tmp_path):
+def test_overlapped_run_is_on_policy(server, model_path, tmp_path, restore_weights):
     v0 = server.health()["version"]
     cfg = train.Config(model=model_path, steps=3, prompts_per_step=8, micro_batches=4, group_size=4, out=str(tmp_path))
     history = train.train(cfg, server)  # raises if any sample's version differs from the step's
-    assert [h["version"] for h in history] == [v0, v0 + 1, v0 + 2]
-    assert server.health()["version"] == v0 + 3
+    assert [h["version"] for h in history] == [v0 + 1, v0 + 2, v0 + 3]  # v0 + 1: the trainer's initial push
+    assert server.health()["version"] == v0 + 4
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows)

@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m pytest tests/test_weight_sync.py
 """
+import math
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client, ServerError
+from client import Client
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
@@ -102,6 +103,7 @@ def post(client, path, body):
     ({"name": "model.norm.weight", "dtype": "float32", "shape": [3, 3], "offset": 0}, "shape"),
     ({"name": "model.norm.weight", "dtype": "bfloat16", "shape": [128], "offset": 0}, "dtype"),
     ({"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 8}, "offset"),
+    ({"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 1024}, "does not fit"),
 ])
 def test_bad_update_is_rejected_and_changes_nothing(trainer, param, word):
     before = server_greedy(trainer), trainer.health()["version"]
@@ -166,8 +168,13 @@ def test_close_then_init_again(server, hf):
         server.init_communicator()
         assert server.update_model_params(hf[0]) == v0 + i + 1
         server.close_communicator()
-    with pytest.raises(ServerError) as e:
-        post_ok = post(server, "/update_weights", {"buckets": [{"size": 512, "params": [
-            {"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 0}]}]})
-        raise ServerError(post_ok.status_code, post_ok.json()["error"])
-    assert e.value.status == 409  # no group after close
+    r = post(server, "/update_weights", {"buckets": [{"size": 512, "params": [
+        {"name": n, "dtype": "float32", "shape": shape, "offset": 0} for n, shape in list(server.spec.items())[:1]]}]})
+    assert r.status_code == 400  # an update must carry every parameter
+    params, offset = [], 0
+    for n, shape in server.spec.items():
+        params.append({"name": n, "dtype": "float32", "shape": shape, "offset": offset})
+        offset += (4 * math.prod(shape) + 15) // 16 * 16
+    full = [{"size": offset, "params": params}]
+    r = post(server, "/update_weights", {"buckets": full})
+    assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
