@@ -166,7 +166,8 @@ class Client:
                     raise server_error from e
                 raise
             try:
-                return reply.result()["version"]
+                self.last_update = reply.result()  # {version, receive_s, load_s}
+                return self.last_update["version"]
             except ServerError:
                 self._drop_group()  # the server dropped the group after a failed update
                 raise

@@ -15,6 +15,7 @@ import asyncio
 import operator
 import os
 import threading
+import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -134,8 +135,13 @@ class Engine:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
         await self.gate.wait()  # a weight update is loading: wait, then run on the new version
         version, self.in_flight = self.version, self.in_flight + len(prompts)
+        tasks = [asyncio.ensure_future(self._one(p, final_only(params), priority)) for p in prompts]
         try:
-            outputs = await asyncio.gather(*(self._one(p, final_only(params), priority) for p in prompts))
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt failed or the caller gave up: abort the others too
+            for t in tasks:
+                t.cancel()
+            raise
         finally:
             self.in_flight -= len(prompts)
             if self.in_flight == 0:
@@ -153,6 +159,7 @@ class Engine:
 
     async def update_weights(self, method, *args, timeout=60.0):
         """Drain, then run the worker `method` (which loads new weights) and bump the version.
+        Returns the new version and the first worker's answer.
 
         If the load fails, the old weights stay (workers load only after receiving everything),
         the version stays, and generation resumes.
@@ -162,10 +169,10 @@ class Engine:
             try:
                 async with self.idle:  # let in-flight requests finish on the old version
                     await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
-                await self.llm.collective_rpc(method, timeout=timeout, args=args)
+                answers = await self.llm.collective_rpc(method, timeout=timeout, args=args)
                 await self.llm.reset_prefix_cache()  # KV computed with old weights must not be reused
                 self.version += 1
-                return self.version
+                return self.version, answers[0]
             finally:
                 self.gate.set()
 
@@ -373,6 +380,7 @@ class WeightSyncWorker:
         leaves the old weights in place. On any failure the group is dropped: the trainer
         must init_communicator again.
         """
+        start = time.perf_counter()
         try:
             received = []
             for bucket in buckets:
@@ -384,9 +392,10 @@ class WeightSyncWorker:
         except Exception:
             self.close_communicator()
             raise
-        model_runner = self.model_runner
-        model_runner.reload_weights(weights_iterator=iter(received))
-        repack_tied_lm_head(model_runner.get_model())
+        received_at = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=iter(received))
+        repack_tied_lm_head(self.model_runner.get_model())
+        return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
 
     def weight_spec(self):
         """{checkpoint name: shape} of the parameters a trainer may send (tied ones once)."""

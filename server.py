@@ -12,7 +12,7 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
                               -> the result; 408 if not ready in time (ask again, nothing is lost)
     POST /init_communicator   {host, world_size} -> join the weight group the trainer hosts at host:group_port
     POST /update_weights      {buckets: [{size, params: [{name, dtype, shape, offset}]}]}
-                              -> receive one broadcast per bucket, load, {version}
+                              -> receive one broadcast per bucket, load, {version, receive_s, load_s}
     POST /close_communicator  leave the weight group
     GET  /metrics             Prometheus text
 """
@@ -281,13 +281,13 @@ async def update_weights(request):
     start = time.perf_counter()
     try:
         timeout = state["group_timeout"] * (1 + len(body["buckets"]))  # each receive is bounded by group_timeout
-        version = await engine.update_weights("receive_weights", body["buckets"], timeout=timeout)
+        version, timings = await engine.update_weights("receive_weights", body["buckets"], timeout=timeout)
     except Exception as e:
         state["group_timeout"] = None  # the workers dropped the group
         return error(504, f"weight update failed, version {engine.version} kept: {e}; call /init_communicator again")
     request.app[METRICS]["sync_seconds"].observe(time.perf_counter() - start)
     request.app[METRICS]["version"].set(version)
-    return web.json_response({"version": version})
+    return web.json_response({"version": version, **timings})  # and receive_s, load_s in the workers
 
 
 async def close_communicator(request):

@@ -45,7 +45,7 @@ class Config:
     device: str = field(default="cpu", metadata={"help": "trainer device; cuda sends weights over NCCL, cpu over gloo"})
     out: str = field(default="runs/demo", metadata={"help": "folder for metrics.jsonl, plot.png and the checkpoint"})
     # GRPO
-    steps: int = field(default=80, metadata={"help": "optimizer steps"})
+    steps: int = field(default=120, metadata={"help": "optimizer steps"})
     prompts_per_step: int = field(default=32, metadata={"help": "prompts per optimizer step"})
     micro_batches: int = field(default=4, metadata={"help": "N: gradient-accumulation micro-batches per step"})
     group_size: int = field(default=8, metadata={"help": "G: completions per prompt (the server's n)"})

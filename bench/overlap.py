@@ -7,7 +7,7 @@ Core 0 plays the inference GPU: the server runs under `taskset -c 0` with
 VLLM_CPU_OMP_THREADS_BIND=0 (its worker's OpenMP threads: one, on core 0). Core 1 plays the
 training GPU: this process, one torch thread. The server starts once; `train.train` then runs
 three times against it with the same Config except `mode` (sync, sync-batch, overlap) and `out`.
-Before each run the server gets the checkpoint's weights back, so all three start from one policy.
+Each run first pushes the checkpoint's weights into the server, so all three start from one policy.
 
 The workload: a Qwen2 from `engine.tiny_model` that is *not* warm-started. The warm-started
 addition model answers in ~2 tokens, so generation would be a sliver of the step; this one
@@ -16,9 +16,8 @@ comparable. The reward (last number == a+b) is rarely 1: the gradients are real 
 which is all a timing benchmark needs.
 
 Per mode, medians over steps after the first `--warmup` of train.py's metrics.jsonl:
-  G     generation: in overlap mode `gen_s` (when the last micro-batch landed); in the synchronous
-        modes `idle_s`, because there the trainer waits for every token (their `gen_s` also
-        counts training on micro-batches 1..N-1)
+  G     `gen_s`, generation: overlapped, until the last micro-batch landed; synchronous, the
+        trainer's wait for every token
   T, S  `train_s` (forward/backward + optimizer step) and `sync_s` (weight update)
   idle  `idle_s`, the trainer waiting for rollouts;   step  `step_s`
   tokens  completion tokens per step: the three runs should do the same work (hence the small --lr)
@@ -36,7 +35,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
@@ -48,21 +46,13 @@ MODES = ["sync", "sync-batch", "overlap"]
 def medians(history, warmup):
     """Per-step medians of G, T, S, idle, step, skipping the warm-up steps."""
     rows = history[warmup:]
-    gen = "gen_s" if rows[0]["mode"] == "overlap" else "idle_s"  # see the module docstring
-    keys = {"G": gen, "T": "train_s", "S": "sync_s", "idle": "idle_s", "step": "step_s", "tokens": "tokens"}
+    keys = {"G": "gen_s", "T": "train_s", "S": "sync_s", "idle": "idle_s", "step": "step_s", "tokens": "tokens"}
     return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
 
 
 def bound(m, N):
     G, T, S = m["G"], m["T"], m["S"]
     return (G + T + S) / (max(G, T) + min(G, T) / N + S)
-
-
-def reset_weights(client, model_path):
-    """Load the checkpoint's weights into the server, so every run starts from the same policy."""
-    client.init_communicator(device="cpu")
-    client.update_model_params(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32))
-    client.close_communicator()
 
 
 def main():
@@ -95,7 +85,6 @@ def main():
                                prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
                                group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr)
             print(json.dumps(vars(cfg)), flush=True)
-            reset_weights(client, model)
             results[mode] = medians(train.train(cfg, client), args.warmup)
     finally:
         stop_server(proc)

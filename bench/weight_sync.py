@@ -171,6 +171,8 @@ def main():
         bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
         ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
         print(f"ours (packed):     {ours:7.3f} s  ({nbytes / 2**20 / ours:6.0f} MiB/s)", flush=True)
+        last = client.last_update  # where the worker spent the last update
+        print(f"  in the worker: receive {last['receive_s']:.3f} s, load (reload_weights + re-pack) {last['load_s']:.3f} s")
         client.close_communicator()
     finally:
         stop_server(proc)
