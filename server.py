@@ -69,10 +69,8 @@ async def read_json(request) -> dict:
 
 
 def check_type(name, value, kind):
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok:
+    kinds = (int, float) if kind is float else kind  # JSON's 1 is a fine float; true is not a number
+    if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
         raise BadRequest(f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
 
 
@@ -90,7 +88,7 @@ def parse_prompts(body, vocab_size) -> list:
 
 
 def parse_sampling(body, extra=()) -> SamplingParams:
-    known = set(SAMPLING_FIELDS) | {"prompts", "priority", "request_id"} | set(extra)
+    known = set(SAMPLING_FIELDS) | {"prompts", "priority"} | set(extra)
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
@@ -111,20 +109,21 @@ def args_key(body) -> str:
 
 
 # -----------------------------------------------------------------------------
-# the futures table: request id -> task; arguments -> the ids submitted with them (oldest first)
+# the futures table: request id -> (task, its arguments' key); key -> ids submitted with it, oldest first
 
 
 def submit(app, body, coro) -> str:
-    state = app[STATE]
+    state, key = app[STATE], args_key(body)
     request_id = uuid.uuid4().hex
-    state["tasks"][request_id] = asyncio.ensure_future(coro)
-    state["by_args"].setdefault(args_key(body), deque()).append(request_id)
+    state["tasks"][request_id] = (asyncio.ensure_future(coro), key)
+    state["by_args"].setdefault(key, deque()).append(request_id)
     return request_id
 
 
 def find(app, body) -> str | None:
     state = app[STATE]
     if "request_id" in body:
+        check_type("request_id", body["request_id"], str)
         return body["request_id"] if body["request_id"] in state["tasks"] else None
     ids = state["by_args"].get(args_key(body))
     return ids[0] if ids else None
@@ -133,12 +132,12 @@ def find(app, body) -> str | None:
 def forget(app, request_id):
     """Free a fetched result: drop it from both indexes."""
     state = app[STATE]
-    state["tasks"].pop(request_id, None)
-    for key, ids in list(state["by_args"].items()):
-        if request_id in ids:
-            ids.remove(request_id)
-            if not ids:
-                del state["by_args"][key]
+    if request_id not in state["tasks"]:
+        return  # a concurrent get_future freed it already
+    _, key = state["tasks"].pop(request_id)
+    state["by_args"][key].remove(request_id)
+    if not state["by_args"][key]:
+        del state["by_args"][key]
 
 
 # -----------------------------------------------------------------------------
@@ -210,7 +209,7 @@ async def get_future(request):
     request_id = find(request.app, body)
     if request_id is None:
         return error(404, "no such request: unknown request_id, already fetched, or no request with these arguments")
-    task = request.app[STATE]["tasks"][request_id]
+    task, _ = request.app[STATE]["tasks"][request_id]
     try:
         result = await asyncio.wait_for(asyncio.shield(task), timeout)
     except asyncio.TimeoutError:
@@ -345,7 +344,7 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), max_body
         for command in mcp_servers:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))
         yield
-        for task in app[STATE]["tasks"].values():
+        for task, _ in app[STATE]["tasks"].values():
             task.cancel()
         await app[ROLLOUT].close()
         engine.shutdown()

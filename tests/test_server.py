@@ -104,6 +104,7 @@ def test_unknown_request_id_is_404_and_server_keeps_serving(client):
     r = post(client, "/get_future", json={"request_id": "no-such-id"})
     assert r.status_code == 404 and "no such request" in r.json()["error"]
     assert post(client, "/get_future", json={"request_id": "x", "timeout": -1}).status_code == 400
+    assert post(client, "/get_future", json={"request_id": ["not", "a", "string"]}).status_code == 400
     assert client.health()["status"] == "ok"
     assert len(client.generate(["still serving"], max_tokens=4)[0]) == 1
 

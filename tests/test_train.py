@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -58,7 +59,8 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
 
 def test_reward_reads_the_last_number():
     assert train.reward("7", "7") == 1.0 and train.reward("so 3+4 = 7", "7") == 1.0
-    assert train.reward("8", "7") == 0.0 and train.reward("", "7") == 0.0
+    assert train.reward("8", "7") == 0.0 and train.reward("", "7") == 0.0 and train.reward("7.5", "7") == 0.0
+    assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
 def test_overlapped_run_is_on_policy(server, model_path, tmp_path, restore_weights):
