@@ -139,7 +139,7 @@ class Client:
             group, self.group = self.group, None
             stateless_destroy_torch_distributed_process_group(group)
 
-    def update_model_params(self, model, bucket_mb=256):
+    def update_model_params(self, model, bucket_mb=32):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
         weight version. Tied weights are sent once; tensors are cast to the server's dtype and
         packed into buckets of at most `bucket_mb` MiB, one broadcast each."""
@@ -151,13 +151,16 @@ class Client:
             reply = pool.submit(self._request, "POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
                                 self.group_timeout * (1 + len(buckets)) + 30, requests)
             try:
+                sending = []
                 for bucket, tensors in buckets:
                     buffer = torch.empty(bucket["size"], dtype=torch.uint8, device=self.device)
                     for p, t in zip(bucket["params"], tensors):
                         buffer[p["offset"]:p["offset"] + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
                     opts = torch.distributed.BroadcastOptions()
                     opts.rootRank = 0
-                    self.group.broadcast([buffer], opts).wait()
+                    sending.append((buffer, self.group.broadcast([buffer], opts)))  # packs the next while this one travels
+                for _, work in sending:
+                    work.wait()
             except Exception as e:  # the server went away or refused: its answer says why
                 try:
                     reply.result()
@@ -186,6 +189,9 @@ class Client:
             if list(t.shape) != self.spec[name]:
                 raise ValueError(f"'{name}' has shape {list(t.shape)}, the server's is {self.spec[name]}")
             named.append((name, t.detach().to(self.device, self.dtype).contiguous()))
+        missing = set(self.spec) - {name for name, _ in named}
+        if missing:  # the server reloads whole layers: it takes complete updates only
+            raise ValueError(f"an update must carry every parameter; missing {len(missing)}: {sorted(missing)[:5]}")
         return named
 
 

@@ -117,6 +117,8 @@ def test_client_checks_names_and_shapes_before_sending(trainer, hf):
         trainer.update_model_params({"bogus.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match="shape"):
         trainer.update_model_params({"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="every parameter"):
+        trainer.update_model_params({"model.norm.weight": torch.zeros(128)})
 
 
 DYING_TRAINER = """
