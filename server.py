@@ -62,7 +62,7 @@ async def read_json(request) -> dict:
     try:
         body = await request.json()
     except json.JSONDecodeError as e:
-        raise BadRequest(f"body is not valid JSON: {e}")
+        raise BadRequest(f"body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
@@ -100,7 +100,7 @@ def parse_sampling(body, extra=()) -> SamplingParams:
     try:
         return SamplingParams(**fields)
     except Exception as e:  # vLLM's validation errors (their class changes between releases)
-        raise BadRequest(f"invalid sampling parameters: {e}")
+        raise BadRequest(f"invalid sampling parameters: {e}") from None
 
 
 def args_key(body) -> str:

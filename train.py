@@ -35,7 +35,8 @@ from engine import Episode, tiny_model
 class Config:
     # model and data
     model: str = field(default="", metadata={"help": "HF folder or hub id (default: the built-in tiny model, warm-started)"})
-    dataset: str = field(default="", metadata={"help": "jsonl of {prompt, answer}; reward 1 if the last number in the completion equals answer (default: built-in addition)"})
+    dataset: str = field(default="", metadata={"help": "jsonl of {prompt, answer}; reward 1 if the last number in the "
+                                                          "completion equals answer (default: built-in addition)"})
     task: str = field(default="addition", metadata={"help": "addition: one completion per sample; calculator: multi-turn episodes "
                                                         "that may call the 'calc' tool (trained with their loss mask)",
                                                 "choices": ["addition", "calculator"]})
@@ -62,8 +63,14 @@ class Config:
     seed: int = field(default=0, metadata={"help": "seed for data, sampling and init"})
 
     def __post_init__(self):
-        assert self.prompts_per_step % self.micro_batches == 0, "prompts_per_step must be divisible by micro_batches"
-        assert self.group_size >= 2, "GRPO needs at least 2 completions per prompt"
+        if min(self.steps, self.micro_batches, self.max_tokens, self.max_turns) < 1:
+            raise ValueError("steps, micro_batches, max_tokens and max_turns must be >= 1")
+        if self.prompts_per_step % self.micro_batches:
+            raise ValueError("prompts_per_step must be divisible by micro_batches")
+        if self.group_size < 2:
+            raise ValueError("GRPO needs at least 2 completions per prompt (group_size >= 2)")
+        if self.dataset and not os.path.exists(self.dataset):
+            raise ValueError(f"no dataset file {self.dataset}")
 
 
 def parse_config(argv=None) -> Config:
@@ -72,7 +79,10 @@ def parse_config(argv=None) -> Config:
         flag = "--" + f.name.replace("_", "-")
         p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices"))
     p.add_argument("--no-overlap", dest="mode", action="store_const", const="sync", help="same as --mode sync")
-    return Config(**vars(p.parse_args(argv)))
+    try:
+        return Config(**vars(p.parse_args(argv)))
+    except ValueError as e:
+        p.error(str(e))
 
 
 # -----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def main():
              "in-process engine": lambda: engine.generate(prompts, params)}
     rates = {name: [] for name in sides}
     try:
-        for name, generate in sides.items():
+        for generate in sides.values():
             generate()  # warm-up
         for _ in range(a.rounds):  # alternate the sides, one at a time, so both see the same machine
             for name, generate in sides.items():
