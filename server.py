@@ -328,7 +328,7 @@ def make_metrics():
     }
 
 
-def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), max_body_mb=16) -> web.Application:
+def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_timeout=10.0, max_body_mb=16) -> web.Application:
     """The server for AsyncEngineArgs `args`: the engine starts with the app and stops with it."""
     app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors])
     app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "group_timeout": None,
@@ -340,7 +340,7 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), max_body
         app[ENGINE] = engine
         app[STATE]["vocab_size"] = engine.llm.model_config.get_vocab_size()
         app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
-        app[ROLLOUT] = RolloutEngine(engine)
+        app[ROLLOUT] = RolloutEngine(engine, tool_timeout=tool_timeout)
         for command in mcp_servers:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))
         yield
@@ -383,6 +383,7 @@ def parse_args(argv=None):
     p.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND",
                    help="an MCP server to start over stdio, whose tools /rollout may call (repeatable), "
                         "e.g. --mcp-server 'python tests/mcp_server.py'; the Python tool 'calc' is built in")
+    p.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take before it answers with an error")
     return p.parse_args(argv)
 
 
@@ -391,7 +392,7 @@ def main(argv=None):
     args = engine_args(a.model or tiny_model(), a.dtype, a.max_model_len, a.gpu_memory_utilization,
                        a.tensor_parallel_size, a.data_parallel_size, a.seed, a.enforce_eager,
                        a.kv_cache_memory_bytes, a.max_num_seqs)
-    web.run_app(make_app(args, a.group_port, a.weight_sync_timeout, a.mcp_server), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    web.run_app(make_app(args, a.group_port, a.weight_sync_timeout, a.mcp_server, a.tool_timeout), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
 
 
 if __name__ == "__main__":

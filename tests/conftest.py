@@ -21,7 +21,8 @@ def model_path():
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
     mcp = f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}"
-    proc, client = launch_server("--mcp-server", mcp, log_path=tmp_path_factory.mktemp("server") / "server.log")
+    proc, client = launch_server("--mcp-server", mcp, "--tool-timeout", "2",
+                                 log_path=tmp_path_factory.mktemp("server") / "server.log")
     yield client
     stop_server(proc)
 

@@ -59,8 +59,9 @@ def test_logprobs_exactly_on_sampled_tokens(client):
     assert {t["version"] for t in ep.turns} == {client.health()["version"]}
 
 
-@pytest.mark.parametrize("call,error", [("calc 2+", "error: SyntaxError"), ("nosuch 1", "error: unknown tool 'nosuch'")])
-def test_failing_and_unknown_tools_answer_with_an_error_text(client, call, error):
+@pytest.mark.parametrize("call,error", [("calc 2+", "error: SyntaxError"), ("nosuch 1", "error: unknown tool 'nosuch'"),
+                                        ("slow 30", "error: tool 'slow' timed out after 2.0 s")])
+def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, error):
     ep = greedy_rollout(client, f"<tool>{call}", max_turns=2)
     assert ep.tool_calls[0]["result"].startswith(error)
     assert len(ep.turns) == 2  # the episode went on after the error
