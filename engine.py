@@ -58,12 +58,17 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2):
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    save_model(model, tokenizer, path)
+    return path
+
+
+def save_model(model, tokenizer, path):
+    """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""
     tmp = f"{path}.tmp{os.getpid()}"
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.replace(tmp, path)  # atomic: a half-written model is never found
-    return path
+    os.replace(tmp, path)
 
 
 # -----------------------------------------------------------------------------

@@ -149,8 +149,8 @@ async def health(request):
     return web.json_response({
         "status": "updating" if not engine.gate.is_set() else "ok", "model": engine.args.model,
         "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state["tasks"]),
-        "group_port": state["group_port"], "workers": engine.args.tensor_parallel_size * engine.args.data_parallel_size,
-        "dtype": str(engine.llm.model_config.dtype).removeprefix("torch."), "tools": request.app[ROLLOUT].tool_names,
+        "group_port": state["group_port"], "workers": state["workers"], "dtype": state["dtype"],
+        "tools": request.app[ROLLOUT].tool_names,
     })
 
 
@@ -191,11 +191,12 @@ async def rollout(request):
     known = request.app[ROLLOUT].tool_names
     if tools is not None and (not isinstance(tools, list) or not set(tools) <= set(known)):
         raise BadRequest(f"'tools' must be a list of registered tool names: {known}")
-    call_start, call_end = body.get("call_start", "<tool>"), body.get("call_end", "</tool>")
+    call_start, call_end = body.get("call_start"), body.get("call_end")  # None: the RolloutEngine's tags
     for name, value in (("call_start", call_start), ("call_end", call_end)):
-        check_type(name, value, str)
-        if not value:
-            raise BadRequest(f"'{name}' must be a non-empty string")
+        if value is not None:
+            check_type(name, value, str)
+            if not value:
+                raise BadRequest(f"'{name}' must be a non-empty string")
     coro = run_rollout(request.app, prompts, params, max_turns, budget, tools, call_start, call_end)
     return web.json_response({"request_id": submit(request.app, body, coro)}, status=202)
 
@@ -227,7 +228,7 @@ async def init_communicator(request):
     host, world_size, timeout = body.get("host"), body.get("world_size"), state["sync_timeout"]
     check_type("host", host, str)
     check_type("world_size", world_size, int)
-    workers = engine.args.tensor_parallel_size * engine.args.data_parallel_size
+    workers = state["workers"]
     if world_size != 1 + workers:
         raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
     try:
@@ -235,7 +236,7 @@ async def init_communicator(request):
     except Exception as e:
         return error(504, f"could not join the weight group at {host}:{state['group_port']}: {e}")
     state["group_timeout"] = timeout
-    return web.json_response({"dtype": str(engine.llm.model_config.dtype).removeprefix("torch."),
+    return web.json_response({"dtype": state["dtype"],
                               "params": state["weight_spec"]})
 
 
@@ -273,8 +274,7 @@ def check_buckets(buckets, spec, dtype):
 async def update_weights(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
-    check_buckets(body.get("buckets"), state["weight_spec"], dtype)
+    check_buckets(body.get("buckets"), state["weight_spec"], state["dtype"])
     if not state["group_timeout"]:
         return error(409, "no weight group: call /init_communicator first")
     start = time.perf_counter()
@@ -339,6 +339,8 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_tim
         engine = await Engine.start(args)
         app[ENGINE] = engine
         app[STATE]["vocab_size"] = engine.llm.model_config.get_vocab_size()
+        app[STATE]["dtype"] = str(engine.llm.model_config.dtype).removeprefix("torch.")
+        app[STATE]["workers"] = args.tensor_parallel_size * args.data_parallel_size
         app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
         app[ROLLOUT] = RolloutEngine(engine, tool_timeout=tool_timeout)
         for command in mcp_servers:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import Client, launch_server, stop_server
-from engine import Episode, tiny_model
+from engine import Episode, save_model, tiny_model
 
 
 @dataclass
@@ -142,10 +142,7 @@ def warm_start(base, path, steps, seed):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, path)
+    save_model(model, tok, path)
     return path
 
 
