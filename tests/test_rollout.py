@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
+from conftest import needs_mcp
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,7 @@ def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, 
     assert client.health()["status"] == "ok"
 
 
+@needs_mcp
 def test_mcp_tools_are_listed_and_called(client):
     assert {"reverse", "shout"} <= set(client.health()["tools"])
     ep = greedy_rollout(client, "<tool>reverse abc", max_turns=2)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import Client
+from conftest import needs_cuda
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
@@ -24,9 +25,10 @@ def hf(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), AutoTokenizer.from_pretrained(model_path)
 
 
-@pytest.fixture
-def trainer(server):
-    server.init_communicator()
+@pytest.fixture(params=["gloo", "ipc"] if torch.cuda.is_available() else ["gloo"])
+def trainer(server, request):
+    """The server with a trainer (this process) set up for weight sync over each transport it can use."""
+    server.init_communicator(transport=request.param)
     yield server
     server.close_communicator()
 
@@ -124,18 +126,12 @@ def test_client_checks_names_and_shapes_before_sending(trainer, hf):
 DYING_TRAINER = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
-from client import Client, pack
+from client import Client, broadcast, pack
 c = Client({url!r})
-c.init_communicator(timeout=30)
-named = c._named_tensors(torch.load({weights!r}))
-buckets = pack(named, 64 << 10)  # many small buckets
-import threading
-threading.Thread(target=c._request, args=("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}}),
-                 daemon=True).start()
-bucket, tensors = buckets[0]
-buf = torch.zeros(bucket["size"], dtype=torch.uint8)
-opts = torch.distributed.BroadcastOptions(); opts.rootRank = 0
-c.group.broadcast([buf], opts).wait()   # one bucket of many, then die
+c.init_communicator("gloo", timeout=30)
+buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
+c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})  # phase 1: the server receives
+broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8), 30)  # one bucket of many, then die
 print("sent one bucket", flush=True)
 os._exit(1)
 """
