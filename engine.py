@@ -36,10 +36,11 @@ CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # the tiny model's vocabulary
 # the built-in tiny model
 
 
-def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2):
+def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
     """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder.
 
     The same seed and sizes always give the same weights, so nothing needs downloading.
+    `overrides` are Qwen2Config fields (benchmarks build bigger shapes with it).
     """
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
@@ -54,10 +55,11 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2):
         vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
         max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,  # wide logits: no near-ties in greedy
-        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype="float32",
+        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype=dtype,
     )
+    config.update(overrides)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
     save_model(model, tokenizer, path)
     return path
 
@@ -396,7 +398,7 @@ class WeightSyncWorker:
             model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code)
         return {name: list(p.shape) for name, p in model.named_parameters()}
 
-    def gpu(self):
+    def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
 
 

@@ -391,7 +391,7 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_tim
         app[STATE]["dtype"] = str(engine.llm.model_config.dtype).removeprefix("torch.")
         app[STATE]["workers"] = args.tensor_parallel_size * args.data_parallel_size
         app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
-        app[STATE]["gpus"] = await engine.llm.collective_rpc("gpu")  # the workers' GPU UUIDs (None on CPU)
+        app[STATE]["gpus"] = await engine.llm.collective_rpc("gpu_uuid")  # the workers' GPU UUIDs (None on CPU)
         app[ROLLOUT] = RolloutEngine(engine, tool_timeout=tool_timeout)
         for command in mcp_servers:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))

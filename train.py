@@ -43,7 +43,10 @@ class Config:
     max_turns: int = field(default=3, metadata={"help": "calculator task: model turns per episode"})
     dtype: str = field(default="float32", metadata={"help": "dtype of the served weights (the trainer keeps float32)"})
     server_url: str = field(default="", metadata={"help": "a running server.py (default: start one on the model)"})
-    device: str = field(default="cpu", metadata={"help": "trainer device; cuda sends weights over NCCL, cpu over gloo"})
+    device: str = field(default="cpu", metadata={"help": "trainer device: cpu (weights go over gloo), cuda (over CUDA IPC "
+                                                          "if the server is on the same GPU, else NCCL)"})
+    gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU only: the fraction of the GPU the server "
+                                                                          "train.py starts may take; the trainer uses the rest"})
     out: str = field(default="runs/demo", metadata={"help": "folder for metrics.jsonl, plot.png and the checkpoint"})
     # GRPO
     steps: int = field(default=120, metadata={"help": "optimizer steps"})
@@ -338,6 +341,7 @@ def main(argv=None):
     seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
     os.makedirs(cfg.out, exist_ok=True)
     proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, "--max-num-seqs", str(seqs),
+                                 "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                                  "--seed", str(cfg.seed), log_path=os.path.join(cfg.out, "server.log"))
     try:
         return train(cfg, client)

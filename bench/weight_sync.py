@@ -1,20 +1,28 @@
-"""Seconds to push a model's weights into the server, against the two numbers that frame it.
+"""Seconds to push a model's weights into the server, against the numbers that frame it.
 
-    .venv/bin/python bench/weight_sync.py                   # 512 hidden x 24 layers: 290 tensors, 216 MiB
+    .venv/bin/python bench/weight_sync.py                   # CPU: 512 hidden x 24 layers, float32, gloo
     .venv/bin/python bench/weight_sync.py --bucket-mb 64    # the same with smaller buckets
+    python3 bench/weight_sync.py --device cuda              # GPU: a Qwen2.5-0.5B-shaped model, bf16, one GPU
 
-Side by side in one run, on a Qwen2 built by engine.tiny_model (float32, gloo on CPU):
-  1. raw:       one broadcast of the same number of bytes as one uint8 buffer between two plain
-                processes; the limit. Timed on the sender, run before the server starts (2 cores).
-  2. ours:      client.update_model_params(model) into a real server: packed buckets, one HTTP
-                call, one broadcast per bucket, then the server loads everything at once.
+CPU (--device cpu), side by side in one run, on a Qwen2 built by engine.tiny_model (float32):
+  1. raw:       one gloo broadcast of the same number of bytes as one uint8 buffer between two
+                plain processes; the limit. Timed on the sender, run before the server starts.
+  2. ours:      client.update_model_params(model) into a real server over gloo: packed buckets,
+                one HTTP call, one broadcast per bucket, then the server loads everything at once.
   3. per-param: one HTTP call and one broadcast per tensor, the slow path TRL's vLLM client takes,
                 into a receiver written here (the server rejects partial updates): a spawned
                 process with an aiohttp route that copies each tensor into an HF copy of the model.
                 It EXCLUDES the engine's weight-loading cost, so it is a lower bound on a real
                 per-parameter path's time: our speedup over it is conservative. Run before the server.
-Each is the median of its rounds, after one warm-up. The last line is
-`sync_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>`.
+  The last line is `sync_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>`.
+GPU (--device cuda): a Qwen2.5-0.5B-shaped Qwen2 (896 hidden, 24 layers, 14 heads, 2 KV heads,
+4864 intermediate, 151,936 vocabulary, tied; random bf16 weights made here), the trainer's copy on
+the same GPU as the server (which takes --gpu-memory-utilization 0.3):
+  1. raw:       one device-to-device copy of the same number of bytes on that GPU; the limit.
+  2. ours ipc:  client.update_model_params(model) with the `ipc` transport (the default here).
+  3. ours gloo: the same with the `gloo` transport, through CPU buffers on both sides.
+  The last line is `seconds_per_update=<ipc> ipc_vs_raw=<raw / ipc> ipc_vs_gloo=<gloo / ipc>`.
+Each is the median of its rounds, after one warm-up.
 """
 import argparse
 import multiprocessing
@@ -30,17 +38,21 @@ sys.path.insert(0, ROOT)
 
 import requests  # noqa: E402
 import torch  # noqa: E402
-from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group as destroy_group  # noqa: E402
-from vllm.distributed.utils import stateless_init_torch_distributed_process_group as init_group  # noqa: E402
 
-from client import free_port, launch_server, stop_server  # noqa: E402
+from client import broadcast as timed_broadcast  # noqa: E402
+from client import free_port, launch_server, stop_server, weight_group  # noqa: E402
 from engine import tiny_model  # noqa: E402
+
+QWEN25_05B = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                  vocab_size=151936)
+
+
+def init_group(host, port, rank, world_size):
+    return weight_group("gloo", host, port, rank, world_size, timeout_s=120)
 
 
 def broadcast(group, tensor, root=0):
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = root
-    group.broadcast([tensor], opts).wait()
+    timed_broadcast(group, tensor, 120, root)
 
 
 def median_seconds(fn, rounds):
@@ -59,19 +71,18 @@ def median_seconds(fn, rounds):
 
 
 def raw_receiver(port, nbytes, rounds):
-    group = init_group("127.0.0.1", port, 1, 2, "gloo")
+    group = init_group("127.0.0.1", port, 1, 2)
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(rounds):
         broadcast(group, torch.ones(1), root=1)  # handshake: the receiver is ready
         broadcast(group, buffer)
-    destroy_group(group)
 
 
 def raw_broadcast_seconds(nbytes, rounds):
     port = free_port()
     receiver = multiprocessing.get_context("spawn").Process(target=raw_receiver, args=(port, nbytes, 1 + rounds))
     receiver.start()
-    group = init_group("127.0.0.1", port, 0, 2, "gloo")  # rank 0 hosts the rendezvous
+    group = init_group("127.0.0.1", port, 0, 2)  # rank 0 hosts the rendezvous
     buffer = torch.ones(nbytes, dtype=torch.uint8)
 
     def one_round():
@@ -83,7 +94,6 @@ def raw_broadcast_seconds(nbytes, rounds):
     one_round()  # warm-up
     seconds = statistics.median(one_round() for _ in range(rounds))
     receiver.join()
-    destroy_group(group)
     return seconds
 
 
@@ -109,19 +119,17 @@ def per_param_receiver(path, group_port, http_port):
         return web.json_response({"name": body["name"]})
 
     sock = socket.create_server(("127.0.0.1", http_port))  # connections queue from here on, so once
-    group = init_group("127.0.0.1", group_port, 1, 2, "gloo")  # the trainer has joined, it may post
+    group = init_group("127.0.0.1", group_port, 1, 2)  # the trainer has joined, it may post
     app = web.Application()
     app.router.add_post("/update_param", update_param)
     web.run_app(app, sock=sock, print=None)  # SIGTERM ends it
-    destroy_group(group)
-
 
 def per_param_seconds(path, model, rounds):
     group_port, http_port = free_port(), free_port()
     receiver = multiprocessing.get_context("spawn").Process(target=per_param_receiver, args=(path, group_port, http_port))
     receiver.start()
     try:
-        group = init_group("127.0.0.1", group_port, 0, 2, "gloo")  # rank 0 hosts the rendezvous
+        group = init_group("127.0.0.1", group_port, 0, 2)  # rank 0 hosts the rendezvous
         url, http = f"http://127.0.0.1:{http_port}/update_param", requests.Session()
 
         def update():
@@ -133,12 +141,46 @@ def per_param_seconds(path, model, rounds):
                     broadcast(group, t)
                     reply.result().raise_for_status()
 
-        seconds = median_seconds(update, rounds)
-        destroy_group(group)
-        return seconds
+        return median_seconds(update, rounds)
     finally:
         receiver.terminate()
         receiver.join()
+
+
+def cuda_main(a):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"), dtype="bfloat16", **QWEN25_05B)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+    named = list(model.named_parameters())  # the tied lm_head is listed once, as the client sends it
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    print(f"model: Qwen2.5-0.5B shape, {len(named)} tensors, {nbytes / 2**20:.1f} MiB bfloat16, on {torch.cuda.get_device_name()}", flush=True)
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    raw = median_seconds(copy, a.rounds)
+    del src, dst
+    print(f"raw copy on GPU:   {raw:7.4f} s  ({nbytes / 2**30 / raw:6.0f} GiB/s)", flush=True)
+
+    proc, client = launch_server("--model", path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--enforce-eager",
+                                 log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"))
+    seconds = {}
+    try:
+        for transport in ("ipc", "gloo"):
+            client.init_communicator(transport=transport)
+            seconds[transport] = median_seconds(lambda: client.update_model_params(model), a.rounds)
+            last = client.last_update
+            print(f"ours ({transport + '):':<6}    {seconds[transport]:7.4f} s  ({nbytes / 2**30 / seconds[transport]:6.1f} GiB/s)  "
+                  f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s", flush=True)
+            client.close_communicator()
+    finally:
+        stop_server(proc)
+    ipc = seconds["ipc"]
+    print(f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} ipc_vs_gloo={seconds['gloo'] / ipc:.1f}")
 
 
 def main():
@@ -148,7 +190,10 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="timed rounds for raw and ours (the median is reported)")
     p.add_argument("--per-param-rounds", type=int, default=3, help="timed rounds of the per-parameter baseline")
     p.add_argument("--bucket-mb", type=int, default=None, help="bucket size for ours (default: the client's default)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU benchmark (see above)")
     a = p.parse_args()
+    if a.device == "cuda":
+        return cuda_main(a)
 
     from transformers import AutoModelForCausalLM
 

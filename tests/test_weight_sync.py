@@ -176,3 +176,76 @@ def test_close_then_init_again(server, hf):
     full = [{"size": offset, "params": params}]
     r = post(server, "/update_weights", {"buckets": full})
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
+
+
+NO_VLLM_TRAINER = """
+import sys
+sys.modules["vllm"] = None  # from here on `import vllm` raises ImportError, as on a trainer machine without it
+sys.path.insert(0, {root!r})
+import torch
+from transformers import AutoModelForCausalLM
+from client import Client
+try:
+    import vllm
+    raise SystemExit("vllm was importable")
+except ImportError:
+    pass
+c = Client({url!r})
+c.init_communicator("gloo")
+print("version", c.update_model_params(AutoModelForCausalLM.from_pretrained({path!r})), flush=True)
+c.close_communicator()
+"""
+
+
+def test_a_trainer_without_vllm_pushes_weights(server, hf, tmp_path, restore_weights):
+    model, tokenizer = hf
+    new = perturbed(model, seed=3)
+    new.save_pretrained(tmp_path / "new")
+    v0 = server.health()["version"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = NO_VLLM_TRAINER.format(root=root, url=server.base_url, path=str(tmp_path / "new"))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"version {v0 + 1}" in run.stdout
+    assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
+
+
+@pytest.mark.parametrize("body,word", [
+    ({"transport": "pigeon"}, "transport"),
+    ({"transport": "gloo", "host": "127.0.0.1", "world_size": 7}, "world_size"),
+    ({"transport": "gloo", "world_size": 2}, "host"),
+    ({"transport": "ipc", "gpu": "GPU-not-this-one"}, "ipc"),
+    ({"transport": "nccl", "host": "127.0.0.1", "world_size": 2} if not torch.cuda.is_available() else {"transport": "nccl"}, ""),
+])
+def test_a_transport_the_server_cannot_follow_is_refused(server, body, word):
+    r = post(server, "/init_communicator", body)
+    assert r.status_code == 400 and word in r.json()["error"]
+    assert server.health()["transport"] is None
+    assert server.generate(["still serving"], max_tokens=4)[0][0].finish_reason is not None
+
+
+@needs_cuda
+def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
+    server.init_communicator()
+    try:
+        assert server.transport == "ipc" and server.health()["transport"] == "ipc"
+        v0 = server.health()["version"]
+        for i in range(3):  # the server keeps the trainer's buffer open: later updates reuse it
+            assert server.update_model_params(hf[0]) == v0 + i + 1
+        assert server.last_update["receive_s"] < 1.0
+    finally:
+        server.close_communicator()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU")
+def test_nccl_update_from_a_trainer_on_another_gpu(server, hf):
+    model, tokenizer = hf
+    new = perturbed(model, seed=4)
+    v0 = server.health()["version"]
+    server.init_communicator(transport="nccl", device="cuda:1")
+    try:
+        assert server.update_model_params(new) == v0 + 1
+        assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
+        assert server.update_model_params(model) == v0 + 2
+    finally:
+        server.close_communicator()
