@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/server_throughput.py                    # 64 prompts x n=8 x 32 tokens, 5 rounds
     .venv/bin/python bench/server_throughput.py --prompts 16 --rounds 3
+    python3 bench/server_throughput.py --prompts 128 --max-tokens 64     # on one GPU: both engines share it
 
 Both sides run the same workload on the built-in tiny model (ignore_eos, temperature 1.0). Both
 engines stay up, but only one works at a time: after a warm-up each, the timed rounds alternate
@@ -37,13 +38,15 @@ def main():
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (ignore_eos: always this many)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per side (the median is reported)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="GPU only: each engine's share of the GPU")
     a = p.parse_args()
     prompts = [f"prompt {i}: " for i in range(a.prompts)]
     print(f"workload: {a.prompts} prompts x n={a.n} x {a.max_tokens} tokens, {a.rounds} rounds", flush=True)
 
     log = os.path.join(tempfile.mkdtemp(prefix="bench-server-"), "server.log")
-    proc, client = launch_server(log_path=log)  # the server in a subprocess, called through the client
-    engine = SyncEngine(engine_args(tiny_model()))  # the same engine in this process
+    memory = a.gpu_memory_utilization  # the server in a subprocess, called through the client; the same engine in this one
+    proc, client = launch_server("--gpu-memory-utilization", str(memory), log_path=log)
+    engine = SyncEngine(engine_args(tiny_model(), gpu_memory_utilization=memory))
     params = SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True)
     sides = {"server + client": lambda: client.generate(prompts, n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True),
              "in-process engine": lambda: engine.generate(prompts, params)}
