@@ -24,7 +24,6 @@ import shlex
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict
 
 import prometheus_client as prom
 from aiohttp import web
@@ -169,7 +168,7 @@ async def run_generate(app, prompts, params, priority):
     results = await app[ENGINE].generate(prompts, params, priority)
     metrics["requests"].inc()
     metrics["tokens"].inc(sum(len(c.token_ids) for r in results for c in r))
-    return {"completions": [[asdict(c) for c in r] for r in results]}
+    return {"completions": [[vars(c) for c in r] for r in results]}  # vars: asdict deep-copies, 20x slower
 
 
 async def generate(request):
@@ -187,7 +186,7 @@ async def run_rollout(app, prompts, params, *options):
     episodes = await app[ROLLOUT].rollout(prompts, params, *options)
     app[METRICS]["requests"].inc()
     app[METRICS]["tokens"].inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
-    return {"episodes": [[asdict(e) for e in per_prompt] for per_prompt in episodes]}
+    return {"episodes": [[vars(e) for e in per_prompt] for per_prompt in episodes]}
 
 
 async def rollout(request):
@@ -278,12 +277,6 @@ def check_buckets(buckets, spec, dtype, transport):
     for b in buckets:
         if not isinstance(b, dict) or not isinstance(b.get("size"), int) or not isinstance(b.get("params"), list):
             raise BadRequest("each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
-        handle = b.get("handle")
-        if (handle is not None) != (transport == "ipc"):
-            raise BadRequest("with the ipc transport each bucket carries a 'handle', with nccl and gloo none")
-        if handle is not None and (not isinstance(handle, dict) or set(handle) != set(IPC_HANDLE)
-                                   or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())):
-            raise BadRequest(f"'handle' must be {{{', '.join(IPC_HANDLE)}}} as client.share_cuda makes it")
         end = 0  # tensors lie in the bucket in order, without overlapping
         for p in b["params"]:
             if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"}:
@@ -302,6 +295,12 @@ def check_buckets(buckets, spec, dtype, transport):
             if not isinstance(p["offset"], int) or p["offset"] < end or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
                 raise BadRequest(f"'{name}' at offset {p['offset']} overlaps or does not fit its bucket of {b['size']} bytes")
             end = p["offset"] + nbytes
+        handle = b.get("handle")
+        if (handle is not None) != (transport == "ipc"):
+            raise BadRequest("with the ipc transport each bucket carries a 'handle', with nccl and gloo none")
+        if handle is not None and (not isinstance(handle, dict) or set(handle) != set(IPC_HANDLE)
+                                   or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())):
+            raise BadRequest(f"'handle' must be {{{', '.join(IPC_HANDLE)}}} as client.share_cuda makes it")
     if seen != set(spec):  # vLLM reloads whole (fused) layers: a partial update would load garbage
         missing = sorted(set(spec) - seen)
         raise BadRequest(f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")

@@ -25,13 +25,15 @@ def test_generate_returns_while_request_still_in_flight(client):
 
 
 def test_get_future_by_id_and_by_identical_arguments_agree(client):
-    body = {"prompts": ["abc", "xyz"], "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    # greedy: the same arguments give the same tokens even where (on a GPU) the two requests
+    # share a batch and seeded sampling is not batch-invariant
+    body = {"prompts": ["abc", "xyz"], "n": 1, "max_tokens": 12, "temperature": 0.0}
     first = post(client, "/generate", json=body).json()["request_id"]
     second = post(client, "/generate", json=body).json()["request_id"]
     by_id = post(client, "/get_future", json={"request_id": first}).json()
     by_args = post(client, "/get_future", json=body).json()  # finds the oldest unfetched identical call
     assert by_args["request_id"] == second
-    assert by_id["completions"] == by_args["completions"]  # same seed, same arguments, same samples
+    assert by_id["completions"] == by_args["completions"]  # same arguments, same tokens
     assert post(client, "/get_future", json=body).status_code == 404  # both fetched and freed
 
 
