@@ -11,6 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests use CUDA in this process (ipc weight sync); an engine started here later must spawn its
+# workers, as CUDA cannot be initialised again in a forked child
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 from client import launch_server, stop_server  # noqa: E402
 from engine import tiny_model  # noqa: E402
