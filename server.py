@@ -4,15 +4,19 @@
     python server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --port 8000
 
 Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error": message}):
-    GET  /health              status, model, weight version, requests in flight, group port
+    GET  /health              status, model, weight version, requests in flight, group port, GPUs;
+                              503 once a failed weight load left the engine unusable
     POST /generate            {prompts, n, temperature, ..., priority} -> 202 {request_id}, at once
     POST /rollout             {prompts, tools, max_turns, max_episode_tokens, call_start, call_end,
                                sampling fields} -> 202 {request_id}; multi-turn tool episodes
     POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
                               -> the result; 408 if not ready in time (ask again, nothing is lost)
-    POST /init_communicator   {host, world_size} -> join the weight group the trainer hosts at host:group_port
-    POST /update_weights      {buckets: [{size, params: [{name, dtype, shape, offset}]}]}
-                              -> receive one broadcast per bucket, load, {version, receive_s, load_s}
+    POST /init_communicator   {transport: "nccl"|"gloo", host, world_size}: join the weight group the
+                              trainer hosts at host:group_port; or {transport: "ipc", gpu}: the trainer
+                              is on this server's GPU -> {dtype, params: {name: shape}}
+    POST /update_weights      {buckets: [{size, params: [{name, dtype, shape, offset}], handle (ipc)}]}
+                              -> 202 {request_id} once drained and receiving; the trainer then sends
+                              and collects {version, receive_s, load_s} with /get_future
     POST /close_communicator  leave the weight group
     GET  /metrics             Prometheus text
 """
