@@ -29,6 +29,8 @@ from datetime import timedelta
 import requests
 import torch
 import torch.distributed as dist
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSPORTS = ("ipc", "nccl", "gloo")
@@ -190,16 +192,40 @@ class RemoteFuture:
         """Wait (long-polling the server in slices of at most 60 s) and return the result."""
         return self.client.get_future(self.request_id, timeout, kind=self.kind)
 
+    def abort(self):
+        self.client.abort(self.request_id)
+
 
 class Client:
-    def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0):
+    """`with Client(url) as client:` aborts the requests it submitted and never fetched if the
+    block raises (a trainer that fails mid-step leaves nothing generating on the server)."""
+
+    def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0, api_key=None, retries=8):
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
-        self.http = requests.Session()
+        key = api_key or os.environ.get("VLLM_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = requests.Session()  # generate, rollout, weight sync: never sent twice
+        # health and get_future polls are safe to repeat: retry them when the server cannot be
+        # reached (e.g. while it restarts), backing off 0.5, 1, 2, ... s (at most 8 s; ~45 s for 8 tries)
+        self.retrying = requests.Session()
+        retry = Retry(total=retries, connect=retries, read=0, status=0, other=0, backoff_factor=0.5,
+                      backoff_max=8, allowed_methods=None)
+        self.retrying.mount("http://", HTTPAdapter(max_retries=retry))
+        self.retrying.mount("https://", HTTPAdapter(max_retries=retry))
+        self.pending = set()  # ids submitted and not yet fetched
         self.group, self.transport, self.spec, self.dtype, self.buffers = None, None, None, None, [None, None]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is not None:
+            self.abort_pending()
 
     def _request(self, method, path, body=None, timeout=None, http=None):
         try:
-            r = (http or self.http).request(method, self.base_url + path, json=body, timeout=timeout or self.timeout)
+            r = (http or self.http).request(method, self.base_url + path, json=body, timeout=timeout or self.timeout,
+                                            headers=self.headers)
         except requests.ConnectionError as e:
             raise ConnectionError(f"server unreachable at {self.base_url}: {e}") from None
         if r.status_code >= 400:
@@ -211,7 +237,23 @@ class Client:
         return r.json()
 
     def health(self, timeout=10.0):
-        return self._request("GET", "/health", timeout=timeout)
+        return self._request("GET", "/health", timeout=timeout, http=self.retrying)
+
+    def abort(self, request_id):
+        """Cancel a submitted request on the server (its prompts stop generating) and free it."""
+        self.pending.discard(request_id)
+        try:
+            self._request("POST", "/abort", {"request_id": request_id}, timeout=30)
+        except ServerError as e:
+            if e.status != 404:  # 404: it finished and was fetched, or expired, meanwhile
+                raise
+
+    def abort_pending(self):
+        for request_id in list(self.pending):
+            try:
+                self.abort(request_id)
+            except (ServerError, ConnectionError):
+                pass  # best effort: the server may be gone; its results then expire there
 
     # -- generation -----------------------------------------------------------
 
@@ -221,8 +263,7 @@ class Client:
         arguments are vLLM SamplingParams fields (top_p, top_k, seed, stop, ...).
         With is_async=True, return a RemoteFuture at once instead."""
         body = dict(prompts=list(prompts), n=n, temperature=temperature, max_tokens=max_tokens, priority=priority, **sampling)
-        request_id = self._request("POST", "/generate", body)["request_id"]
-        future = RemoteFuture(self, request_id)
+        future = RemoteFuture(self, self._submit("/generate", body))
         return future if is_async else future.result()
 
     def rollout(self, prompts, n=1, tools=None, max_turns=4, max_episode_tokens=256, temperature=1.0, max_tokens=64,
@@ -234,8 +275,13 @@ class Client:
                     temperature=temperature, max_tokens=max_tokens, **sampling)
         if tools is not None:
             body["tools"] = list(tools)
-        future = RemoteFuture(self, self._request("POST", "/rollout", body)["request_id"], kind="rollout")
+        future = RemoteFuture(self, self._submit("/rollout", body), kind="rollout")
         return future if is_async else future.result()
+
+    def _submit(self, path, body):
+        request_id = self._request("POST", path, body)["request_id"]
+        self.pending.add(request_id)
+        return request_id
 
     def get_future(self, request_id, timeout=None, kind="generate"):
         deadline = self.timeout if timeout is None else timeout
@@ -243,12 +289,16 @@ class Client:
         while True:
             wait = min(60.0, max(deadline - waited, 0.0))
             try:
-                reply = self._request("POST", "/get_future", {"request_id": request_id, "timeout": wait}, timeout=wait + 30)
+                reply = self._request("POST", "/get_future", {"request_id": request_id, "timeout": wait}, timeout=wait + 30,
+                                      http=self.retrying)
                 break
             except ServerError as e:
                 waited += wait
+                if e.status != 408:
+                    self.pending.discard(request_id)  # failed, aborted or gone: nothing left to fetch
                 if e.status != 408 or waited >= deadline:
                     raise
+        self.pending.discard(request_id)
         if kind == "rollout":
             return [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
         if kind == "generate":
@@ -285,7 +335,7 @@ class Client:
         else:  # the server's workers join while we host the group's store (rank 0)
             body |= {"host": host, "world_size": 1 + info["workers"]}
             with ThreadPoolExecutor(1) as pool:
-                reply = pool.submit(self._request, "POST", "/init_communicator", body, timeout + 30, requests)
+                reply = pool.submit(self._request, "POST", "/init_communicator", body, timeout + 30, requests.Session())
                 try:
                     self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], timeout)
                 except Exception as e:  # the server's answer says why, if it has one

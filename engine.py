@@ -101,6 +101,14 @@ def final_only(params: SamplingParams) -> SamplingParams:
     return params
 
 
+def check_encodable(params: SamplingParams):
+    """Raise unless `params` survive the msgpack round trip by which the engine's input thread
+    receives every request: a field of the wrong type would kill that thread for good."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
+
+
 def as_prompt(prompt):
     return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
 
@@ -120,8 +128,15 @@ class Engine:
         self.gate.set()
         self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
         self.update_lock = asyncio.Lock()  # one weight update at a time
-        self.error = None  # why the engine can no longer serve (weights half-loaded), if it cannot
+        self.load_error = None  # set when an update failed while loading: the weights are mixed
         self.tokenizer = llm.tokenizer
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine can no longer serve, if it cannot."""
+        if self.load_error:
+            return self.load_error
+        return "vLLM's engine core died (see the server log)" if self.llm.errored else None
 
     @classmethod
     async def start(cls, args: AsyncEngineArgs) -> "Engine":
@@ -158,28 +173,33 @@ class Engine:
             pass  # FINAL_ONLY: the one output is the finished request with all n completions
         return final
 
-    async def update_weights(self, buckets, timeout=60.0, ready=None):
+    async def update_weights(self, buckets, timeout=60.0, drain_timeout=60.0, ready=None):
         """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
         version. `ready` (a future) is resolved once generation has drained and the workers are
         told to receive: the trainer may start sending. Returns the new version and the timings.
 
-        If receiving fails, the old weights stay (workers load only after receiving everything),
-        the version stays, and generation resumes. If loading fails part-way, the weights are
-        neither old nor new: the engine marks itself failed (`self.error`) and refuses requests.
+        If the drain takes longer than `drain_timeout`, nothing happens (DrainTimeout). If
+        receiving fails, the old weights stay (workers load only after receiving everything), the
+        version stays, and generation resumes. If loading fails part-way, the weights are neither
+        old nor new: the engine marks itself failed (`self.error`) and refuses requests.
         """
         async with self.update_lock:
             self.gate.clear()  # new requests wait at the gate
             try:
                 async with self.idle:  # let in-flight requests finish on the old version
-                    await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
+                    try:
+                        await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout)
+                    except asyncio.TimeoutError:
+                        raise DrainTimeout(f"{self.in_flight} prompts still generating after the drain timeout "
+                                           f"of {drain_timeout} s; nothing was sent") from None
                 if ready is not None:
                     ready.set_result(None)
                 answers = await self.llm.collective_rpc("receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,))
                 failed = [a["load_error"] for a in answers if "load_error" in a]
                 if failed:
-                    self.error = f"weights half-loaded by a failed update: {failed[0]}"
-                    raise RuntimeError(self.error)
-                await self.llm.reset_prefix_cache()  # KV computed with old weights must not be reused
+                    self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
+                    raise RuntimeError(self.load_error)
+                await asyncio.wait_for(self.llm.reset_prefix_cache(), timeout)  # old KV must not be reused
                 self.version += 1
                 return self.version, answers[0]
             finally:
@@ -187,7 +207,15 @@ class Engine:
 
     async def rpc(self, method, *args, timeout=60.0):
         """Call `method` on every worker (WeightSyncWorker) and return the first worker's answer."""
-        return (await self.llm.collective_rpc(method, timeout=timeout, args=args))[0]
+        return (await self.rpc_all(method, *args, timeout=timeout))[0]
+
+    async def rpc_all(self, method, *args, timeout=60.0):
+        """Call `method` on every worker and return every answer, within `timeout` seconds."""
+        return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
+
+
+class DrainTimeout(Exception):
+    pass
 
 
 class SyncEngine:

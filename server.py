@@ -22,19 +22,24 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
 """
 import argparse
 import asyncio
+import hmac
 import json
 import math
+import os
 import shlex
+import signal
+import sys
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass, field
 
 import prometheus_client as prom
 from aiohttp import web
 from vllm import SamplingParams
 
 from client import DTYPES, TRANSPORTS
-from engine import Engine, RolloutEngine, engine_args, tiny_model
+from engine import Engine, RolloutEngine, check_encodable, engine_args, tiny_model
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
 SAMPLING_FIELDS = {
@@ -43,13 +48,36 @@ SAMPLING_FIELDS = {
     "repetition_penalty": float, "ignore_eos": bool, "stop": list, "stop_token_ids": list,
     "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class State:
+    """What the routes share, besides the engine. `opts` are the server's flags (parse_args)."""
+    opts: argparse.Namespace
+    tasks: dict = field(default_factory=dict)  # request id -> (asyncio task, its arguments' key)
+    by_args: dict = field(default_factory=dict)  # arguments' key -> unclaimed request ids, oldest first
+    transport: str | None = None  # the weight transport set up by /init_communicator, if any
+    engine_died: bool = False  # the server then exits non-zero
+    vocab_size: int = 0  # the rest is read from the engine at start
+    dtype: str = ""
+    workers: int = 1
+    weight_spec: dict = field(default_factory=dict)
+    gpus: list = field(default_factory=list)
+
+
 ENGINE = web.AppKey("engine", Engine)
 ROLLOUT = web.AppKey("rollout", RolloutEngine)
-STATE = web.AppKey("state", dict)
+STATE = web.AppKey("state", State)
 METRICS = web.AppKey("metrics", dict)
 
 
 class BadRequest(web.HTTPBadRequest):
+    def __init__(self, message):
+        super().__init__(text=json.dumps({"error": message}), content_type="application/json")
+
+
+class TooManyRequests(web.HTTPTooManyRequests):
     def __init__(self, message):
         super().__init__(text=json.dumps({"error": message}), content_type="application/json")
 
@@ -65,8 +93,8 @@ def error(status, message):
 async def read_json(request) -> dict:
     try:
         body = await request.json()
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"body is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not UTF-8 JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
@@ -76,10 +104,17 @@ def check_type(name, value, kind):
     kinds = (int, float) if kind is float else kind  # JSON's 1 is a fine float; true is not a number
     if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
         raise BadRequest(f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
+    if kind is float and not math.isfinite(value):  # Python's json reads NaN and Infinity
+        raise BadRequest(f"'{name}' must be a finite number")
 
 
-def parse_prompts(body, vocab_size) -> list:
-    prompts = body.get("prompts")
+def check_list(name, value, kind):
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise BadRequest(f"'{name}' must be a list of {kind.__name__}")
+
+
+def parse_prompts(body, state) -> list:
+    prompts, vocab_size = body.get("prompts"), state.vocab_size
     if not isinstance(prompts, list) or not prompts:
         raise BadRequest("'prompts' must be a non-empty list of strings or of token-id lists")
     for p in prompts:
@@ -91,20 +126,31 @@ def parse_prompts(body, vocab_size) -> list:
     return prompts
 
 
-def parse_sampling(body, extra=()) -> SamplingParams:
+def parse_sampling(body, state, extra=()) -> SamplingParams:
+    """SamplingParams from the body's fields, within the server's caps, or BadRequest."""
     known = set(SAMPLING_FIELDS) | {"prompts", "priority"} | set(extra)
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     for k, v in fields.items():
-        check_type(k, v, SAMPLING_FIELDS[k])
-    if fields.get("n", 1) < 1 or fields.get("max_tokens", 1) < 1:
-        raise BadRequest("'n' and 'max_tokens' must be >= 1")
+        if k == "stop" and isinstance(v, str):
+            continue  # vLLM takes one stop string or a list of them
+        check_list(k, v, str if k == "stop" else int) if SAMPLING_FIELDS[k] is list else check_type(k, v, SAMPLING_FIELDS[k])
+    opts, n, max_tokens = state.opts, fields.get("n", 1), fields.get("max_tokens", 16)
+    if not 1 <= n <= opts.max_n:
+        raise BadRequest(f"'n' must be between 1 and {opts.max_n} (--max-n)")
+    if not 1 <= max_tokens <= opts.max_model_len:
+        raise BadRequest(f"'max_tokens' must be between 1 and {opts.max_model_len} (--max-model-len)")
+    sequences = n * len(body.get("prompts") or [])
+    if sequences > opts.max_request_seqs:
+        raise BadRequest(f"{sequences} sequences (prompts x n) in one request; at most {opts.max_request_seqs} (--max-request-seqs)")
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
+        check_encodable(params)  # the last guard: what the engine's input thread could not decode never reaches it
     except Exception as e:  # vLLM's validation errors (their class changes between releases)
         raise BadRequest(f"invalid sampling parameters: {e}") from None
+    return params
 
 
 def args_key(body) -> str:
@@ -113,36 +159,68 @@ def args_key(body) -> str:
 
 
 # -----------------------------------------------------------------------------
-# the futures table: request id -> (task, its arguments' key); key -> ids submitted with it, oldest first
+# the futures table: request id -> (task, its arguments' key); key -> unclaimed ids, oldest first
 
 
 def submit(app, body, work) -> str:
-    """Start `work` (a coroutine or task) and index it by a new id and by its arguments."""
+    """Start `work` (a coroutine or task) and index it by a new id and by its arguments. Once it
+    is done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
     state, key = app[STATE], args_key(body)
+    if len(state.tasks) >= state.opts.max_pending:
+        work.close() if asyncio.iscoroutine(work) else work.cancel()
+        raise TooManyRequests(f"{len(state.tasks)} results are waiting to be fetched (--max-pending); fetch or abort some")
     request_id = uuid.uuid4().hex
-    state["tasks"][request_id] = (asyncio.ensure_future(work), key)
-    state["by_args"].setdefault(key, deque()).append(request_id)
+    task = asyncio.ensure_future(work)
+    state.tasks[request_id] = (task, key)
+    state.by_args.setdefault(key, deque()).append(request_id)
+    loop = asyncio.get_running_loop()
+    task.add_done_callback(lambda _: loop.call_later(state.opts.result_ttl, expire, app, request_id))
     return request_id
 
 
-def find(app, body) -> str | None:
+def claim(app, body) -> str | None:
+    """The request a /get_future body names: by id, or the oldest unclaimed one with identical
+    arguments, which this caller then holds, so two identical requests are fetched once each."""
     state = app[STATE]
     if "request_id" in body:
         check_type("request_id", body["request_id"], str)
-        return body["request_id"] if body["request_id"] in state["tasks"] else None
-    ids = state["by_args"].get(args_key(body))
-    return ids[0] if ids else None
+        return body["request_id"] if body["request_id"] in state.tasks else None
+    key = args_key(body)
+    ids = state.by_args.get(key)
+    if not ids:
+        return None
+    request_id = ids.popleft()
+    if not ids:
+        del state.by_args[key]
+    return request_id
+
+
+def unclaim(app, request_id):
+    """Give a claimed request back (its caller timed out), first in line again."""
+    state = app[STATE]
+    if request_id in state.tasks:
+        key = state.tasks[request_id][1]
+        if request_id not in state.by_args.setdefault(key, deque()):
+            state.by_args[key].appendleft(request_id)
 
 
 def forget(app, request_id):
-    """Free a fetched result: drop it from both indexes."""
+    """Drop a request from both indexes (fetched, aborted or expired)."""
     state = app[STATE]
-    if request_id not in state["tasks"]:
+    if request_id not in state.tasks:
         return  # a concurrent get_future freed it already
-    _, key = state["tasks"].pop(request_id)
-    state["by_args"][key].remove(request_id)
-    if not state["by_args"][key]:
-        del state["by_args"][key]
+    _, key = state.tasks.pop(request_id)
+    ids = state.by_args.get(key, ())
+    if request_id in ids:
+        ids.remove(request_id)
+    if not ids:
+        state.by_args.pop(key, None)
+
+
+def expire(app, request_id):
+    if request_id in app[STATE].tasks:
+        forget(app, request_id)
+        app[METRICS]["expired"].inc()
 
 
 # -----------------------------------------------------------------------------
@@ -150,14 +228,14 @@ def forget(app, request_id):
 
 
 async def health(request):
-    """200 while the engine can serve; 503 with the reason once it cannot (weights half-loaded)."""
+    """200 while the engine can serve; 503 with the reason once it cannot."""
     engine, state = request.app[ENGINE], request.app[STATE]
     status = "failed" if engine.error else "updating" if not engine.gate.is_set() else "ok"
     return web.json_response({
         "status": status, "error": engine.error, "model": engine.args.model,
-        "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state["tasks"]),
-        "group_port": state["group_port"], "workers": state["workers"], "gpus": state["gpus"], "dtype": state["dtype"],
-        "transport": state["transport"], "tools": request.app[ROLLOUT].tool_names,
+        "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state.tasks),
+        "group_port": state.opts.group_port, "workers": state.workers, "gpus": state.gpus, "dtype": state.dtype,
+        "transport": state.transport, "tools": request.app[ROLLOUT].tool_names,
     }, status=503 if engine.error else 200)
 
 
@@ -177,9 +255,8 @@ async def run_generate(app, prompts, params, priority):
 
 async def generate(request):
     check_serving(request.app)
-    body = await read_json(request)
-    prompts = parse_prompts(body, request.app[STATE]["vocab_size"])
-    params = parse_sampling(body)
+    body, state = await read_json(request), request.app[STATE]
+    prompts, params = parse_prompts(body, state), parse_sampling(body, state)
     priority = body.get("priority", 0)
     check_type("priority", priority, int)
     request_id = submit(request.app, body, run_generate(request.app, prompts, params, priority))
@@ -195,17 +272,19 @@ async def run_rollout(app, prompts, params, *options):
 
 async def rollout(request):
     check_serving(request.app)
-    body = await read_json(request)
-    prompts = parse_prompts(body, request.app[STATE]["vocab_size"])
-    params = parse_sampling(body, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end"))
+    body, state = await read_json(request), request.app[STATE]
+    prompts = parse_prompts(body, state)
+    params = parse_sampling(body, state, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end"))
     max_turns, budget, tools = body.get("max_turns", 4), body.get("max_episode_tokens", 256), body.get("tools")
-    for name, value in (("max_turns", max_turns), ("max_episode_tokens", budget)):
+    for name, value, most in (("max_turns", max_turns, 100), ("max_episode_tokens", budget, state.opts.max_model_len)):
         check_type(name, value, int)
-        if value < 1:
-            raise BadRequest(f"'{name}' must be >= 1")
+        if not 1 <= value <= most:
+            raise BadRequest(f"'{name}' must be between 1 and {most}")
     known = request.app[ROLLOUT].tool_names
-    if tools is not None and (not isinstance(tools, list) or not set(tools) <= set(known)):
-        raise BadRequest(f"'tools' must be a list of registered tool names: {known}")
+    if tools is not None:
+        check_list("tools", tools, str)
+        if not set(tools) <= set(known):
+            raise BadRequest(f"'tools' must be a list of registered tool names: {known}")
     call_start, call_end = body.get("call_start"), body.get("call_end")  # None: the RolloutEngine's tags
     for name, value in (("call_start", call_start), ("call_end", call_end)):
         if value is not None:
@@ -222,19 +301,38 @@ async def get_future(request):
     check_type("timeout", timeout, float)
     if not 0 <= timeout <= 3600:
         raise BadRequest("'timeout' must be between 0 and 3600 seconds")
-    request_id = find(request.app, body)
+    request_id = claim(request.app, body)
     if request_id is None:
-        return error(404, "no such request: unknown request_id, already fetched, or no request with these arguments")
-    task, _ = request.app[STATE]["tasks"][request_id]
+        return error(404, "no such request: unknown request_id; already fetched, aborted or expired; "
+                          "or no request with these arguments")
+    task, _ = request.app[STATE].tasks[request_id]
     try:
         result = await asyncio.wait_for(asyncio.shield(task), timeout)
     except asyncio.TimeoutError:
+        unclaim(request.app, request_id)
         return error(408, f"request {request_id} not finished after {timeout} s; ask again")
+    except asyncio.CancelledError:
+        if task.cancelled():  # aborted meanwhile; our own cancellation (the caller left) propagates
+            return error(404, f"request {request_id} was aborted")
+        unclaim(request.app, request_id)
+        raise
     except Exception as e:  # the engine refused the request (e.g. prompt longer than max_model_len)
         forget(request.app, request_id)
-        return error(422, f"request {request_id} failed: {e}")
+        return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {e}")
     forget(request.app, request_id)
     return web.json_response({"request_id": request_id, **result})
+
+
+async def abort(request):
+    """Cancel a request (its prompts stop generating) and free it."""
+    body = await read_json(request)
+    check_type("request_id", body.get("request_id"), str)
+    request_id = body["request_id"]
+    if request_id not in request.app[STATE].tasks:
+        return error(404, f"no such request {request_id}")
+    request.app[STATE].tasks[request_id][0].cancel()
+    forget(request.app, request_id)
+    return web.json_response({"aborted": request_id})
 
 
 async def init_communicator(request):
@@ -242,17 +340,17 @@ async def init_communicator(request):
     nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    transport, timeout, workers = body.get("transport", "gloo"), state["sync_timeout"], state["workers"]
-    if transport not in TRANSPORTS:
+    transport, timeout, workers = body.get("transport", "gloo"), state.opts.weight_sync_timeout, state.workers
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise BadRequest(f"'transport' must be one of {list(TRANSPORTS)}")
-    if transport != "gloo" and not any(state["gpus"]):
+    if transport != "gloo" and not any(state.gpus):
         raise BadRequest(f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo")
     if transport == "ipc":
         check_type("gpu", body.get("gpu"), str)
         if workers != 1:
             raise BadRequest(f"ipc needs a server on one GPU; this one has {workers} workers: use nccl")
-        if body["gpu"] not in state["gpus"]:
-            raise BadRequest(f"ipc needs the trainer on the server's GPU {state['gpus'][0]}; the trainer's is {body['gpu']}")
+        if body["gpu"] not in state.gpus:
+            raise BadRequest(f"ipc needs the trainer on the server's GPU {state.gpus[0]}; the trainer's is {body['gpu']}")
         host, world_size = None, None
     else:
         host, world_size = body.get("host"), body.get("world_size")
@@ -261,12 +359,12 @@ async def init_communicator(request):
         if world_size != 1 + workers:
             raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
     try:
-        await engine.rpc("init_communicator", transport, host, state["group_port"], world_size, timeout, body.get("gpu"),
+        await engine.rpc("init_communicator", transport, host, state.opts.group_port, world_size, timeout, body.get("gpu"),
                          timeout=timeout + 10)
     except Exception as e:
-        return error(504, f"could not set up {transport} weight sync (group at {host}:{state['group_port']}): {e}")
-    state["transport"] = transport
-    return web.json_response({"dtype": state["dtype"], "params": state["weight_spec"]})
+        return error(504, f"could not set up {transport} weight sync (group at {host}:{state.opts.group_port}): {e!r}")
+    state.transport = transport
+    return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
 
 
 IPC_HANDLE = {"offset": int, "device": int, "handle": str, "storage_bytes": int, "storage_offset": int, "ref": str,
@@ -283,8 +381,8 @@ def check_buckets(buckets, spec, dtype, transport):
             raise BadRequest("each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
         end = 0  # tensors lie in the bucket in order, without overlapping
         for p in b["params"]:
-            if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"}:
-                raise BadRequest("each param must be {name, dtype, shape, offset}")
+            if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"} or not isinstance(p["name"], str):
+                raise BadRequest("each param must be {name: str, dtype, shape, offset}")
             name = p["name"]
             if name not in spec:
                 raise BadRequest(f"unknown parameter '{name}'")
@@ -316,27 +414,28 @@ async def update_weights(request):
     (and the workers' receive_s and load_s) with /get_future."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    check_buckets(body.get("buckets"), state["weight_spec"], state["dtype"], state["transport"])
-    if not state["transport"]:
+    check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
+    if not state.transport:
         return error(409, "no weight sync set up: call /init_communicator first")
     ready = asyncio.get_running_loop().create_future()
     task = asyncio.ensure_future(run_update(request.app, body["buckets"], ready))
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
-    if not ready.done():  # failed before the workers were told to receive: nothing changed
-        return error(504, f"weight update failed, version {engine.version} kept: {task.exception()}")
+    if not ready.done():  # failed before the workers were told to receive: nothing was sent or changed
+        return error(503, f"weight update refused, version {engine.version} kept: {task.exception()}")
     return web.json_response({"request_id": submit(request.app, body, task)}, status=202)
 
 
 async def run_update(app, buckets, ready):
-    engine, state, start = app[ENGINE], app[STATE], time.perf_counter()
+    engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
     try:
-        version, timings = await engine.update_weights(buckets, state["sync_timeout"], ready)
+        version, timings = await engine.update_weights(buckets, opts.weight_sync_timeout, opts.drain_timeout, ready)
     except Exception as e:
         if engine.error:
             raise RuntimeError(f"weight update failed while loading; the server is unhealthy: {engine.error}") from None
-        if ready.done():
-            state["transport"] = None  # the workers left the group
-        raise RuntimeError(f"weight update failed, version {engine.version} kept: {e}; call /init_communicator again") from None
+        if not ready.done():
+            raise
+        state.transport = None  # the workers left the group
+        raise RuntimeError(f"weight update failed, version {engine.version} kept: {e!r}; call /init_communicator again") from None
     app[METRICS]["sync_seconds"].observe(time.perf_counter() - start)
     app[METRICS]["version"].set(version)
     return {"version": version, **timings}
@@ -344,13 +443,14 @@ async def run_update(app, buckets, ready):
 
 async def close_communicator(request):
     await request.app[ENGINE].rpc("close_communicator")
-    request.app[STATE]["transport"] = None
+    request.app[STATE].transport = None
     return web.json_response({"status": "closed"})
 
 
 async def metrics(request):
     m = request.app[METRICS]
     m["in_flight"].set(request.app[ENGINE].in_flight)
+    m["pending"].set(len(request.app[STATE].tasks))
     return web.Response(body=prom.generate_latest(m["registry"]), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
 
 
@@ -369,6 +469,16 @@ async def json_errors(request, handler):
         return error(e.status, e.reason if e.text is None or e.text.startswith(str(e.status)) else e.text)
 
 
+@web.middleware
+async def check_key(request, handler):
+    """With --api-key, every route but /health and /metrics needs `Authorization: Bearer <key>`."""
+    key = request.app[STATE].opts.api_key
+    if key and request.path not in ("/health", "/metrics") and \
+            not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}"):
+        return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+    return await handler(request)
+
+
 def make_metrics():
     registry = prom.CollectorRegistry()
     return {
@@ -376,30 +486,45 @@ def make_metrics():
         "requests": prom.Counter("asyncgrpo_requests", "Finished generate/rollout calls", registry=registry),
         "tokens": prom.Counter("asyncgrpo_completion_tokens", "Completion tokens generated", registry=registry),
         "in_flight": prom.Gauge("asyncgrpo_in_flight", "Prompts being generated", registry=registry),
+        "pending": prom.Gauge("asyncgrpo_pending_results", "Requests submitted and not yet fetched", registry=registry),
+        "expired": prom.Counter("asyncgrpo_expired_results", "Results dropped unfetched after --result-ttl", registry=registry),
         "version": prom.Gauge("asyncgrpo_weight_version", "Current weight version", registry=registry),
         "sync_seconds": prom.Histogram("asyncgrpo_weight_sync_seconds", "Seconds per weight update", registry=registry),
     }
 
 
-def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_timeout=10.0, max_body_mb=16) -> web.Application:
-    """The server for AsyncEngineArgs `args`: the engine starts with the app and stops with it."""
-    app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors])
-    app[STATE] = {"tasks": {}, "by_args": {}, "group_port": group_port, "transport": None, "sync_timeout": sync_timeout}
+async def watch_engine(app):
+    """Stop the server when vLLM's engine core is gone for good, so that it exits non-zero and a
+    supervisor restarts it. AsyncLLM only exposes this as a flag, hence the check every second."""
+    while not app[ENGINE].llm.errored:
+        await asyncio.sleep(1)
+    print(f"engine failed: {app[ENGINE].error}; stopping the server", file=sys.stderr, flush=True)
+    app[STATE].engine_died = True
+    os.kill(os.getpid(), signal.SIGTERM)  # aiohttp's run_app shuts down gracefully on SIGTERM
+
+
+def make_app(args, opts) -> web.Application:
+    """The server for AsyncEngineArgs `args` and flags `opts` (parse_args): the engine starts with
+    the app and stops with it."""
+    app = web.Application(client_max_size=opts.max_body_mb << 20, middlewares=[json_errors, check_key])
+    app[STATE] = state = State(opts)
     app[METRICS] = make_metrics()
 
     async def engine_ctx(app):
         engine = await Engine.start(args)
         app[ENGINE] = engine
-        app[STATE]["vocab_size"] = engine.llm.model_config.get_vocab_size()
-        app[STATE]["dtype"] = str(engine.llm.model_config.dtype).removeprefix("torch.")
-        app[STATE]["workers"] = args.tensor_parallel_size * args.data_parallel_size
-        app[STATE]["weight_spec"] = await engine.rpc("weight_spec")
-        app[STATE]["gpus"] = await engine.llm.collective_rpc("gpu_uuid")  # the workers' GPU UUIDs (None on CPU)
-        app[ROLLOUT] = RolloutEngine(engine, tool_timeout=tool_timeout)
-        for command in mcp_servers:
+        state.vocab_size = engine.llm.model_config.get_vocab_size()
+        state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
+        state.workers = args.tensor_parallel_size * args.data_parallel_size
+        state.weight_spec = await engine.rpc("weight_spec")
+        state.gpus = await engine.rpc_all("gpu_uuid")  # the workers' GPU UUIDs (None on CPU)
+        app[ROLLOUT] = RolloutEngine(engine, tool_timeout=opts.tool_timeout)
+        for command in opts.mcp_server:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))
+        watcher = asyncio.ensure_future(watch_engine(app))
         yield
-        for task, _ in app[STATE]["tasks"].values():
+        watcher.cancel()
+        for task, _ in state.tasks.values():
             task.cancel()
         await app[ROLLOUT].close()
         engine.shutdown()
@@ -409,6 +534,7 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_tim
     app.router.add_post("/generate", generate)
     app.router.add_post("/rollout", rollout)
     app.router.add_post("/get_future", get_future)
+    app.router.add_post("/abort", abort)
     app.router.add_post("/init_communicator", init_communicator)
     app.router.add_post("/update_weights", update_weights)
     app.router.add_post("/close_communicator", close_communicator)
@@ -418,28 +544,45 @@ def make_app(args, group_port=51216, sync_timeout=60.0, mcp_servers=(), tool_tim
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="async-grpo rollout server: vLLM behind an async HTTP API.")
-    p.add_argument("--model", default=None, help="HF model folder or hub id (default: the built-in tiny model, built on first use)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype; trainer updates must match it")
-    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for vLLM (GPU only)")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size in bytes (default on CPU: 256 MiB)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences decoded at once (vLLM's default if unset)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
-    p.add_argument("--seed", type=int, default=0, help="engine seed")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+    g = p.add_argument_group("engine (named as in vllm serve)")
+    g.add_argument("--model", default=None, help="HF model folder or hub id (default: the built-in tiny model, built on first use)")
+    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype; trainer updates must match it")
+    g.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for vLLM (GPU only)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size in bytes (default on CPU: 256 MiB)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences decoded at once (vLLM's default if unset)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
+    g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph capture/compilation (default: on for CPU, off for GPU)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 to expose it)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--group-port", type=int, default=51216, help="port of the trainer's weight-sync group (NCCL/gloo)")
-    p.add_argument("--weight-sync-timeout", type=float, default=60.0,
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (another than loopback needs --api-key)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="every route but /health and /metrics then needs 'Authorization: Bearer <key>' (default: $VLLM_API_KEY)")
+    g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt) a request may ask for")
+    g.add_argument("--max-request-seqs", type=int, default=16384, help="most sequences (prompts x n) in one request")
+    g.add_argument("--max-pending", type=int, default=10000, help="most requests submitted and not yet fetched; beyond it 429")
+    g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a finished result waits to be fetched before it is dropped")
+    g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
+    g = p.add_argument_group("weight sync")
+    g.add_argument("--group-port", type=int, default=51216, help="port of the trainer's weight-sync group (NCCL/gloo)")
+    g.add_argument("--weight-sync-timeout", type=float, default=60.0,
                    help="seconds to wait for the trainer while joining the group or receiving a bucket; "
                         "on timeout the update fails and the old weights and version stay")
-    p.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND",
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds an update waits for requests in flight to finish; then it is refused (503) before anything is sent")
+    g = p.add_argument_group("tools")
+    g.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND",
                    help="an MCP server to start over stdio, whose tools /rollout may call (repeatable), "
                         "e.g. --mcp-server 'python tests/mcp_server.py'; the Python tool 'calc' is built in")
-    p.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take before it answers with an error")
-    return p.parse_args(argv)
+    g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take before it answers with an error")
+    a = p.parse_args(argv)
+    if a.host not in LOOPBACK and not a.api_key:
+        p.error(f"--host {a.host} exposes the server beyond this machine: set --api-key (or VLLM_API_KEY) "
+                "so that nobody else can generate or push weights")
+    return a
 
 
 def main(argv=None):
@@ -447,7 +590,10 @@ def main(argv=None):
     args = engine_args(a.model or tiny_model(), a.dtype, a.max_model_len, a.gpu_memory_utilization,
                        a.tensor_parallel_size, a.data_parallel_size, a.seed, a.enforce_eager,
                        a.kv_cache_memory_bytes, a.max_num_seqs)
-    web.run_app(make_app(args, a.group_port, a.weight_sync_timeout, a.mcp_server, a.tool_timeout), host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    app = make_app(args, a)
+    web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    if app[STATE].engine_died:
+        sys.exit("the engine died; see the log above")
 
 
 if __name__ == "__main__":
