@@ -201,6 +201,8 @@ class Client:
     block raises (a trainer that fails mid-step leaves nothing generating on the server)."""
 
     def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0, api_key=None, retries=8):
+        """`api_key` (default: $VLLM_API_KEY) for a server started with --api-key; `retries`: how
+        often health checks and result polls are retried while the server cannot be reached."""
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
         key = api_key or os.environ.get("VLLM_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -437,22 +439,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_server(*flags, log_path=os.devnull, timeout=300.0, env=None, prefix=()):
-    """Start `python server.py *flags` on free ports; return (process, Client) once it is up.
-    `prefix` goes before the command (e.g. ("taskset", "-c", "0") to pin it to a core)."""
-    port, group_port = free_port(), free_port()
+def launch_server(*flags, log_path=os.devnull, timeout=300.0, env=None, prefix=(), port=None, group_port=None, api_key=None):
+    """Start `python server.py *flags` (on free ports unless given); return (process, Client) once
+    it is up. `prefix` goes before the command (e.g. ("taskset", "-c", "0") to pin it to a core)."""
+    port, group_port = port or free_port(), group_port or free_port()
+    if api_key:
+        flags = (*flags, "--api-key", api_key)
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([*prefix, sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
-    client = Client(f"http://127.0.0.1:{port}")
+    client = Client(f"http://127.0.0.1:{port}", api_key=api_key, retries=0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode}; see {log_path}")
         try:
             client.health(timeout=2)
-            return proc, client
+            return proc, Client(client.base_url, api_key=api_key)
         except ConnectionError:
             time.sleep(0.5)
     stop_server(proc)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client, launch_server, stop_server
+from client import Client, ServerError, launch_server, stop_server
 from engine import Episode, save_model, tiny_model
 
 
@@ -62,6 +62,8 @@ class Config:
                                                         "sync: generate, wait, train, one micro-batch at a time; "
                                                         "sync-batch: generate the whole step as one batch, then train",
                                                 "choices": ["overlap", "sync", "sync-batch"]})
+    reconnect_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for a server that restarted "
+                                                                     "or went away before giving up"})
     warm_start_steps: int = field(default=100, metadata={"help": "supervised steps teaching the tiny model the answer format"})
     seed: int = field(default=0, metadata={"help": "seed for data, sampling and init"})
 
@@ -256,6 +258,65 @@ def plot(history, path):
 # the loop
 
 
+class ServerRestarted(Exception):
+    pass
+
+
+def accumulate_step(client, model, tok, micro_batches, cfg, version, partial):
+    """Generate one step's samples (with the chosen schedule) and accumulate the policy gradient
+    of each micro-batch as it lands. Returns the step's rewards, tokens and timings."""
+    t_step = time.perf_counter()
+    train_s = idle_s = 0.0
+    rewards_all, tokens = [], 0
+    results = rollouts(client, micro_batches, cfg)
+    for mb in micro_batches:
+        t0 = time.perf_counter()
+        samples = next(results)  # [prompt][G] Completion or Episode; idle while not ready
+        t_ready = time.perf_counter()
+        idle_s += t_ready - t0
+        seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
+        if any(v != version for seq in seqs for v in seq["versions"]):
+            if client.health()["version"] < version:  # versions start again at 0 in a new server
+                raise ServerRestarted(f"the server's weight version went back from {version}")
+            raise RuntimeError(f"off-policy sample: expected weight version {version}")
+        rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
+        advantages = group_advantages(rewards).flatten()  # (B,)
+        batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs])
+        loss = pg_loss_sum(model, batch, advantages.to(torch.float32))
+        loss.backward()  # gradients accumulate; normalised once the whole step is in
+        tokens += int(batch["mask"].sum())
+        rewards_all.append(rewards.flatten())
+        train_s += time.perf_counter() - t_ready
+    # G: overlapped, generation runs until the last micro-batch lands; synchronous, the
+    # trainer waits for all of it (and the server is idle while it trains)
+    gen_s = t_ready - t_step if cfg.mode == "overlap" else idle_s
+    return {"rewards": torch.cat(rewards_all), "tokens": tokens, "gen_s": gen_s, "train_s": train_s, "idle_s": idle_s}
+
+
+def server_lost(e):
+    """Errors after which the server may come back: unreachable, restarted (it no longer knows
+    our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
+    return not isinstance(e, ServerError) or e.status == 404 or e.status >= 500
+
+
+def reconnect(client, model, cfg, why):
+    """The server restarted or cannot be reached: wait for it (at most --reconnect-timeout s),
+    set weight sync up again and push our current weights. Returns the new weight version."""
+    print(f"\nlost the server ({why}); reconnecting for up to {cfg.reconnect_timeout} s", file=sys.stderr, flush=True)
+    client.abort_pending()
+    deadline = time.monotonic() + cfg.reconnect_timeout
+    while True:
+        try:
+            client.init_communicator(device=cfg.device)  # its health check retries with backoff
+            version = client.update_model_params(model)
+            print(f"reconnected: the server holds our weights as version {version}", file=sys.stderr, flush=True)
+            return version
+        except (ConnectionError, ServerError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not come back within --reconnect-timeout {cfg.reconnect_timeout} s: {e}") from None
+            time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
+
+
 def train(cfg: Config, client: Client):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -268,52 +329,46 @@ def train(cfg: Config, client: Client):
     os.makedirs(cfg.out, exist_ok=True)
     history, N = [], cfg.micro_batches
     partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
-    with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
+    # `with client`: if anything below raises, the requests still generating on the server are aborted
+    with client, open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
         for step in bar:
             rows = rng.sample(data, cfg.prompts_per_step)
             micro_batches = [rows[i::N] for i in range(N)]
             t_step = time.perf_counter()
-            train_s = idle_s = 0.0
-            rewards_all, tokens = [], 0
-            results = rollouts(client, micro_batches, cfg)
-            for mb in micro_batches:
-                t0 = time.perf_counter()
-                samples = next(results)  # [prompt][G] Completion or Episode; idle while not ready
-                t_ready = time.perf_counter()
-                idle_s += t_ready - t0
-                seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
-                if any(v != version for seq in seqs for v in seq["versions"]):
-                    raise RuntimeError(f"off-policy sample at step {step}: expected weight version {version}")
-                rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
-                advantages = group_advantages(rewards).flatten()  # (B,)
-                batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs])
-                loss = pg_loss_sum(model, batch, advantages.to(torch.float32))
-                loss.backward()  # gradients accumulate; normalised once the whole step is in
-                tokens += int(batch["mask"].sum())
-                rewards_all.append(rewards.flatten())
-                train_s += time.perf_counter() - t_ready
-            # G: overlapped, generation runs until the last micro-batch lands; synchronous, the
-            # trainer waits for all of it (and the server is idle while it trains)
-            gen_s = t_ready - t_step if cfg.mode == "overlap" else idle_s
+            for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost
+                try:
+                    s = accumulate_step(client, model, tok, micro_batches, cfg, version, partial)
+                    break
+                except (ConnectionError, ServerError, ServerRestarted) as e:
+                    if attempt == 2 or not server_lost(e):
+                        raise
+                    opt.zero_grad(set_to_none=True)
+                    version = reconnect(client, model, cfg, e)
             # the loss normalisation: divide the summed gradient by every completion token of the step
             t0 = time.perf_counter()
             for p in model.parameters():
                 if p.grad is not None:
-                    p.grad /= max(tokens, 1)
+                    p.grad /= max(s["tokens"], 1)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            train_s += time.perf_counter() - t0
+            train_s = s["train_s"] + time.perf_counter() - t0
             t0 = time.perf_counter()
-            sampled_version, version = version, client.update_model_params(model)  # step s+1 samples from these
+            sampled_version = version
+            try:
+                version = client.update_model_params(model)  # step s+1 samples from these
+            except (ConnectionError, ServerError) as e:
+                if not server_lost(e):
+                    raise
+                version = reconnect(client, model, cfg, e)
             sync_s = time.perf_counter() - t0
             step_s = time.perf_counter() - t_step
-            G, T, S = (gen_s, train_s, sync_s)
-            rewards_all = torch.cat(rewards_all)
-            row = {"step": step, "reward": rewards_all.mean().item(), "accuracy": (rewards_all == 1).float().mean().item(),
+            G, T, S = (s["gen_s"], train_s, sync_s)
+            rewards = s["rewards"]
+            row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
                    "version": sampled_version, "mode": cfg.mode,
-                   "grad_norm": grad_norm.item(), "tokens": tokens, "gen_s": G, "train_s": T, "sync_s": S,
-                   "idle_s": idle_s, "step_s": step_s, "bound": (G + T + S) / (max(G, T) + min(G, T) / N + S)}
+                   "grad_norm": grad_norm.item(), "tokens": s["tokens"], "gen_s": G, "train_s": T, "sync_s": S,
+                   "idle_s": s["idle_s"], "step_s": step_s, "bound": (G + T + S) / (max(G, T) + min(G, T) / N + S)}
             history.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()

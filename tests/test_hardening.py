@@ -1,0 +1,220 @@
+"""What careless or hostile clients, dead engines and restarts must not break.
+
+Run: .venv/bin/python -m pytest tests/test_hardening.py
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import requests
+import torch
+
+import train
+from client import Client, ServerError, free_port, launch_server, stop_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROUTES = ["/generate", "/rollout", "/get_future", "/abort", "/init_communicator", "/update_weights", "/close_communicator"]
+JUNK = [None, True, False, -1, 0, 10**30, -(10**30), 1.5, -0.5, "", "a", "x" * 5000, "\u0000", "é", [], [None], [1, "a"],
+        [[]], [[-1]], [[10**9]], {}, {"a": [None]}, [{"name": 1}], float("nan"), float("inf")]
+FIELDS = ["prompts", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed", "logprobs", "stop",
+          "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "priority", "request_id", "timeout", "tools",
+          "max_turns", "max_episode_tokens", "call_start", "call_end", "transport", "host", "world_size", "gpu", "buckets",
+          "repetition_penalty", "skip_special_tokens", "bogus"]
+
+
+def post(client, path, **kwargs):
+    return requests.post(client.base_url + path, timeout=120, headers=client.headers, **kwargs)
+
+
+def fuzz_bodies(rng, n):
+    """Malformed bodies: bytes that are not JSON or not UTF-8, JSON that is not an object, and
+    objects whose fields hold values of every wrong type, around a prompt that is valid."""
+    raw = [b"", b"\xff\xfe\x00", b"{", b"[]", b"null", b"123", b'"text"', b"{\"prompts\": [\"a\"", b"\xc3\x28{}", b"NaN"]
+    bodies = [("data", r) for r in raw]
+    for _ in range(n - len(raw)):
+        body = {"prompts": ["a"], "max_tokens": 2} if rng.random() < 0.5 else {}
+        for name in rng.sample(FIELDS, rng.randint(1, 4)):
+            body[name] = rng.choice(JUNK)
+        bodies.append(("data", json.dumps(body).encode()))  # json.dumps writes NaN and Infinity, as Python reads them
+    return bodies
+
+
+def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_still_generates(client):
+    rng = random.Random(0)
+    statuses = {}
+    for path in ROUTES:
+        for kind, body in fuzz_bodies(rng, 60):
+            status = post(client, path, data=body).status_code
+            statuses[status] = statuses.get(status, 0) + 1
+            assert status < 500, (path, body[:200], status)
+    print(f"fuzz: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) >= 400 and statuses.get(202, 0) < sum(statuses.values())
+    [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)  # a real generation completes
+    assert len(c.token_ids) == 8
+
+
+@pytest.mark.parametrize("body,word", [
+    ({"prompts": ["a"], "stop": [5], "include_stop_str_in_output": True}, "stop"),  # once killed vLLM's input thread
+    ({"prompts": ["a"], "stop_token_ids": ["x"]}, "stop_token_ids"),
+    ({"prompts": ["a"], "n": 100000}, "--max-n"),
+    ({"prompts": ["a"], "max_tokens": 10**6}, "--max-model-len"),
+    ({"prompts": ["a"] * 300, "n": 100}, "--max-request-seqs"),
+    ({"prompts": ["a"], "seed": 2**70}, "invalid sampling"),
+    ({"prompts": ["a"], "tools": [{"x": 1}]}, "tools"),
+])
+def test_fields_that_could_break_the_engine_are_a_400(client, body, word):
+    path = "/rollout" if "tools" in body else "/generate"
+    r = post(client, path, json=body)
+    assert r.status_code == 400 and word in r.json()["error"], r.text
+    assert post(client, "/generate", data=b"\xff\xfe\x00").status_code == 400
+    assert client.generate(["ok"], max_tokens=2)[0][0].finish_reason == "length"
+
+
+def test_each_of_two_identical_requests_is_fetched_once(client):
+    body = {"prompts": ["twins"], "n": 2, "max_tokens": 300, "ignore_eos": True}
+    ids = {post(client, "/generate", json=body).json()["request_id"] for _ in range(2)}
+    with ThreadPoolExecutor(2) as pool:  # both ask by arguments at the same time
+        replies = list(pool.map(lambda _: post(client, "/get_future", json=body), range(2)))
+    assert [r.status_code for r in replies] == [200, 200]
+    assert {r.json()["request_id"] for r in replies} == ids
+    assert post(client, "/get_future", json=body).status_code == 404
+
+
+def test_abort_stops_a_request_and_frees_it(client):
+    future = client.generate(["stop me"], n=4, max_tokens=2000, ignore_eos=True, is_async=True)
+    future.abort()
+    with pytest.raises(ServerError) as gone:
+        future.result(timeout=5)
+    assert gone.value.status == 404
+    deadline = time.monotonic() + 30
+    while client.health()["in_flight"]:  # vLLM aborts the sequences: nothing keeps generating
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert future.request_id not in client.pending
+
+
+def test_a_failing_caller_aborts_what_it_submitted(client):
+    with pytest.raises(ZeroDivisionError), client:
+        futures = [client.generate([f"orphan {i}"], max_tokens=2000, ignore_eos=True, is_async=True) for i in range(3)]
+        1 / 0
+    for f in futures:
+        assert post(client, "/get_future", json={"request_id": f.request_id, "timeout": 0}).status_code == 404
+
+
+def test_a_non_loopback_host_without_a_key_refuses_to_start():
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--host", "0.0.0.0"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 2 and "--api-key" in run.stderr
+
+
+# -----------------------------------------------------------------------------
+# a second server, with a key, a short result TTL, few pending results and a short drain timeout
+
+
+@pytest.fixture(scope="module")
+def strict(model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("strict") / "server.log"
+    proc, client = launch_server("--model", model_path, "--result-ttl", "2", "--max-pending", "4", "--drain-timeout", "1",
+                                 api_key="secret", log_path=log)
+    yield proc, client, log
+    if proc.poll() is None:
+        stop_server(proc)
+
+
+def test_every_route_but_health_and_metrics_needs_the_key(strict):
+    _, client, _ = strict
+    for path in ROUTES:
+        r = requests.post(client.base_url + path, json={"prompts": ["a"]}, timeout=30)
+        assert r.status_code == 401 and "API key" in r.json()["error"]
+        r = requests.post(client.base_url + path, json={}, timeout=30, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+    assert requests.get(client.base_url + "/health", timeout=30).status_code == 200
+    assert requests.get(client.base_url + "/metrics", timeout=30).status_code == 200
+    assert client.generate(["with the key"], max_tokens=2)[0][0].finish_reason == "length"
+
+
+def test_unfetched_results_expire_and_are_counted(strict):
+    _, client, _ = strict
+    future = client.generate(["forgotten"], max_tokens=2, is_async=True)
+    time.sleep(5)  # done within a second, then --result-ttl 2
+    with pytest.raises(ServerError) as gone:
+        future.result(timeout=1)
+    assert gone.value.status == 404
+    metrics = requests.get(client.base_url + "/metrics", timeout=30).text
+    assert [line for line in metrics.splitlines() if line.startswith("asyncgrpo_expired_results_total")][0].split()[-1] != "0.0"
+
+
+def test_beyond_max_pending_is_a_429(strict):
+    _, client, _ = strict
+    futures = [client.generate([f"busy {i}"], max_tokens=1500, ignore_eos=True, is_async=True) for i in range(4)]
+    with pytest.raises(ServerError) as full:
+        client.generate(["one too many"], max_tokens=2, is_async=True)
+    assert full.value.status == 429
+    for f in futures:
+        f.abort()
+    assert client.generate(["room again"], max_tokens=2)[0][0].finish_reason == "length"
+
+
+def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, model_path):
+    _, client, _ = strict
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    client.init_communicator(transport="gloo")
+    v0 = client.health()["version"]
+    busy = client.generate(["long"], n=4, max_tokens=1900, ignore_eos=True, is_async=True)
+    time.sleep(0.5)
+    with pytest.raises(ServerError) as refused:
+        client.update_model_params(model)  # --drain-timeout 1
+    assert refused.value.status == 503 and "still generating after the drain timeout" in refused.value.message
+    assert {c.version for c in busy.result()[0]} == {v0}
+    assert client.update_model_params(model) == v0 + 1  # the group survived: nothing had been sent
+    client.close_communicator()
+
+
+def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
+    proc, client, log = strict
+    for child in psutil.Process(proc.pid).children(recursive=True):  # vLLM's engine core (and its workers)
+        child.kill()
+    proc.wait(60)  # the server notices within a second or so, and stops
+    assert proc.returncode not in (0, None)
+    assert "engine failed" in open(log).read()
+
+
+# -----------------------------------------------------------------------------
+# a trainer whose server restarts
+
+
+def test_training_survives_a_server_restart(model_path, tmp_path):
+    port, group_port = free_port(), free_port()
+    start = lambda: launch_server("--model", model_path, port=port, group_port=group_port,  # noqa: E731
+                                  log_path=tmp_path / f"server{time.monotonic()}.log")[0]
+    proc = start()
+    cfg = train.Config(model=model_path, steps=16, prompts_per_step=8, micro_batches=2, group_size=4, out=str(tmp_path),
+                       reconnect_timeout=240)
+    out = {}
+    trainer = threading.Thread(target=lambda: out.setdefault("history", train.train(cfg, Client(f"http://127.0.0.1:{port}"))))
+    trainer.start()
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and trainer.is_alive()
+        time.sleep(0.2)
+    stop_server(proc)  # mid-training
+    proc = start()
+    try:
+        trainer.join(600)
+        assert not trainer.is_alive()
+        versions = [h["version"] for h in out["history"]]
+        assert len(versions) == 16
+        assert any(b < a for a, b in zip(versions, versions[1:])), versions  # a new server, and training went on
+    finally:
+        stop_server(proc)
