@@ -3,7 +3,8 @@
     python server.py                                  # the built-in tiny model, on 127.0.0.1:8000
     python server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --port 8000
 
-Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error": message}):
+Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error": message}; with
+--api-key all but /health and /metrics need "Authorization: Bearer <key>"):
     GET  /health              status, model, weight version, requests in flight, group port, GPUs;
                               503 once a failed weight load left the engine unusable
     POST /generate            {prompts, n, temperature, ..., priority} -> 202 {request_id}, at once
@@ -11,6 +12,7 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
                                sampling fields} -> 202 {request_id}; multi-turn tool episodes
     POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
                               -> the result; 408 if not ready in time (ask again, nothing is lost)
+    POST /abort               {request_id} -> stop generating it and free it
     POST /init_communicator   {transport: "nccl"|"gloo", host, world_size}: join the weight group the
                               trainer hosts at host:group_port; or {transport: "ipc", gpu}: the trainer
                               is on this server's GPU -> {dtype, params: {name: shape}}

@@ -22,7 +22,8 @@ HAS_MCP = importlib.util.find_spec("mcp") is not None
 needs_mcp = pytest.mark.skipif(not HAS_MCP, reason="the mcp package is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # on a GPU the session server takes little memory: tests start more engines and trainers beside it
-GPU_FLAGS = ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager")
+GPU_FLAGS = ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager") \
+    if torch.cuda.is_available() else ()
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +34,7 @@ def model_path():
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
     mcp = ("--mcp-server", f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}") if HAS_MCP else ()
-    gpu = GPU_FLAGS if torch.cuda.is_available() else ()
-    proc, client = launch_server(*mcp, *gpu, "--tool-timeout", "2", log_path=tmp_path_factory.mktemp("server") / "server.log")
+    proc, client = launch_server(*mcp, *GPU_FLAGS, "--tool-timeout", "2", log_path=tmp_path_factory.mktemp("server") / "server.log")
     yield client
     stop_server(proc)
 

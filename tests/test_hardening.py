@@ -18,6 +18,7 @@ import torch
 
 import train
 from client import Client, ServerError, free_port, launch_server, stop_server
+from conftest import GPU_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTES = ["/generate", "/rollout", "/get_future", "/abort", "/init_communicator", "/update_weights", "/close_communicator"]
@@ -123,7 +124,7 @@ def test_a_non_loopback_host_without_a_key_refuses_to_start():
 def strict(model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("strict") / "server.log"
     proc, client = launch_server("--model", model_path, "--result-ttl", "2", "--max-pending", "4", "--drain-timeout", "1",
-                                 api_key="secret", log_path=log)
+                                 *GPU_FLAGS, api_key="secret", log_path=log)
     yield proc, client, log
     if proc.poll() is None:
         stop_server(proc)
@@ -195,7 +196,7 @@ def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
 
 def test_training_survives_a_server_restart(model_path, tmp_path):
     port, group_port = free_port(), free_port()
-    start = lambda: launch_server("--model", model_path, port=port, group_port=group_port,  # noqa: E731
+    start = lambda: launch_server("--model", model_path, *GPU_FLAGS, port=port, group_port=group_port,  # noqa: E731
                                   log_path=tmp_path / f"server{time.monotonic()}.log")[0]
     proc = start()
     cfg = train.Config(model=model_path, steps=16, prompts_per_step=8, micro_batches=2, group_size=4, out=str(tmp_path),
