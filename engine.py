@@ -89,6 +89,7 @@ def engine_args(model, dtype="float32", max_model_len=2048, gpu_memory_utilizati
         enforce_eager=on_cpu if enforce_eager is None else enforce_eager,  # compiling costs more than it gains on CPU
         kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
         scheduling_policy="priority", worker_extension_cls="engine.WeightSyncWorker",
+        logprobs_mode="processed_logprobs",  # the behaviour policy's logprobs: after temperature, as sampled
         enable_log_requests=False, disable_log_stats=True,
     )
 

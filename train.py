@@ -173,17 +173,19 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None):
     return {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}  # mask aligns with targets
 
 
-def token_logprobs(model, batch):
-    """(B, T-1): log p(token t+1 | tokens <= t) under the model."""
+def token_logprobs(model, batch, temperature=1.0):
+    """(B, T-1): log p(token t+1 | tokens <= t) under the model at the sampling temperature: the
+    distribution the server sampled from is softmax(logits / temperature)."""
     ids = batch["input_ids"].to(model.device)
     logits = model(input_ids=ids, attention_mask=batch["attention"].to(model.device)).logits[:, :-1].float()
+    logits = logits / temperature if temperature > 0 else logits  # temperature 0 is greedy: no scaling
     return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1).cpu()
 
 
-def pg_loss_sum(model, batch, advantages):
+def pg_loss_sum(model, batch, advantages, temperature=1.0):
     """Sum over the batch's completion tokens of -A * log p(token). The caller divides the summed
     gradient of the whole optimizer step by its number of completion tokens."""
-    return -(advantages[:, None] * token_logprobs(model, batch) * batch["mask"]).sum()
+    return -(advantages[:, None] * token_logprobs(model, batch, temperature) * batch["mask"]).sum()
 
 
 def sequence(row, sample, tok, partial=False):
@@ -282,7 +284,7 @@ def accumulate_step(client, model, tok, micro_batches, cfg, version, partial):
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
         advantages = group_advantages(rewards).flatten()  # (B,)
         batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs])
-        loss = pg_loss_sum(model, batch, advantages.to(torch.float32))
+        loss = pg_loss_sum(model, batch, advantages.to(torch.float32), cfg.temperature)
         loss.backward()  # gradients accumulate; normalised once the whole step is in
         tokens += int(batch["mask"].sum())
         rewards_all.append(rewards.flatten())

@@ -85,3 +85,25 @@ def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
     assert (out / "checkpoint" / "model.safetensors").exists()
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
+
+
+def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, model_path):
+    """The server reports the logprobs of the distribution it sampled from (temperature applied);
+    the trainer recomputes the same numbers on the same weights."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = ["3+4=", "hello"]
+    results = server.generate(prompts, n=4, temperature=0.7, max_tokens=12, seed=5)
+    prompt_ids = [tok(p).input_ids for p in prompts]
+    completions = [c for r in results for c in r]
+    batch = train.make_batch([p for p in prompt_ids for _ in range(4)], [c.token_ids for c in completions], pad_id=1)
+    with torch.no_grad():
+        ours = train.token_logprobs(model, batch, temperature=0.7)
+    for row, c in enumerate(completions):
+        got = ours[row][batch["mask"][row] == 1]
+        assert torch.allclose(got, torch.tensor(c.logprobs), atol=1e-4), (got, c.logprobs)
+    with torch.no_grad():  # and not the untempered ones
+        untempered = train.token_logprobs(model, batch)[0][batch["mask"][0] == 1]
+    assert not torch.allclose(untempered, torch.tensor(completions[0].logprobs), atol=1e-2)
