@@ -286,26 +286,36 @@ class Client:
         return request_id
 
     def get_future(self, request_id, timeout=None, kind="generate"):
-        deadline = self.timeout if timeout is None else timeout
-        waited = 0.0
+        return self._wait({request_id: kind}, timeout)[1]
+
+    def as_completed(self, futures, timeout=None):
+        """Yield (future, result) in the order the server finishes them, not the order given."""
+        remaining = {f.request_id: f for f in futures}
+        while remaining:
+            request_id, result = self._wait({i: f.kind for i, f in remaining.items()}, timeout)
+            yield remaining.pop(request_id), result
+
+    def _wait(self, kinds, timeout=None):
+        """Long-poll /get_future, in slices of at most 60 s, until one of the requests `kinds`
+        ({request id: "generate" | "rollout" | "update"}) is done: (its id, its result)."""
+        deadline, waited = self.timeout if timeout is None else timeout, 0.0
+        body = {"request_id": next(iter(kinds))} if len(kinds) == 1 else {"request_ids": list(kinds)}
         while True:
             wait = min(60.0, max(deadline - waited, 0.0))
             try:
-                reply = self._request("POST", "/get_future", {"request_id": request_id, "timeout": wait}, timeout=wait + 30,
-                                      http=self.retrying)
+                reply = self._request("POST", "/get_future", {**body, "timeout": wait}, timeout=wait + 30, http=self.retrying)
                 break
             except ServerError as e:
                 waited += wait
-                if e.status != 408:
-                    self.pending.discard(request_id)  # failed, aborted or gone: nothing left to fetch
                 if e.status != 408 or waited >= deadline:
                     raise
+        request_id = reply["request_id"]
         self.pending.discard(request_id)
-        if kind == "rollout":
-            return [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
-        if kind == "generate":
-            return [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
-        return reply
+        if kinds[request_id] == "rollout":
+            return request_id, [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
+        if kinds[request_id] == "generate":
+            return request_id, [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
+        return request_id, reply
 
     # -- weight sync (the trainer is rank 0) ----------------------------------
 

@@ -131,6 +131,7 @@ class Engine:
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the weights are mixed
         self.tokenizer = llm.tokenizer
+        self.max_num_seqs = llm.vllm_config.scheduler_config.max_num_seqs  # most sequences decoded at once
 
     @property
     def error(self) -> str | None:

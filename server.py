@@ -237,7 +237,7 @@ async def health(request):
         "status": status, "error": engine.error, "model": engine.args.model,
         "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state.tasks),
         "group_port": state.opts.group_port, "workers": state.workers, "gpus": state.gpus, "dtype": state.dtype,
-        "transport": state.transport, "tools": request.app[ROLLOUT].tool_names,
+        "transport": state.transport, "max_num_seqs": engine.max_num_seqs, "tools": request.app[ROLLOUT].tool_names,
     }, status=503 if engine.error else 200)
 
 
@@ -298,31 +298,38 @@ async def rollout(request):
 
 
 async def get_future(request):
-    body = await read_json(request)
+    """The result of `request_id`, or of whichever of `request_ids` finishes first, or of the
+    oldest request with the identical arguments; waiting at most `timeout` seconds."""
+    body, state = await read_json(request), request.app[STATE]
     timeout = body.get("timeout", 60)
     check_type("timeout", timeout, float)
     if not 0 <= timeout <= 3600:
         raise BadRequest("'timeout' must be between 0 and 3600 seconds")
-    request_id = claim(request.app, body)
-    if request_id is None:
+    if "request_ids" in body:  # as completed: the trainer takes groups in the order they finish
+        check_list("request_ids", body["request_ids"], str)
+        ids = [i for i in body["request_ids"] if i in state.tasks]
+    else:
+        ids = [i for i in [claim(request.app, body)] if i is not None]
+    if not ids:
         return error(404, "no such request: unknown request_id; already fetched, aborted or expired; "
                           "or no request with these arguments")
-    task, _ = request.app[STATE].tasks[request_id]
     try:
-        result = await asyncio.wait_for(asyncio.shield(task), timeout)
-    except asyncio.TimeoutError:
-        unclaim(request.app, request_id)
-        return error(408, f"request {request_id} not finished after {timeout} s; ask again")
-    except asyncio.CancelledError:
-        if task.cancelled():  # aborted meanwhile; our own cancellation (the caller left) propagates
-            return error(404, f"request {request_id} was aborted")
-        unclaim(request.app, request_id)
+        done, _ = await asyncio.wait([state.tasks[i][0] for i in ids], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the caller went away: a claimed request is first in line again
+        unclaim(request.app, ids[0]) if "request_ids" not in body else None
         raise
-    except Exception as e:  # the engine refused the request (e.g. prompt longer than max_model_len)
-        forget(request.app, request_id)
-        return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {e}")
+    if not done:
+        if "request_ids" not in body:
+            unclaim(request.app, ids[0])
+        return error(408, f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again")
+    request_id = next(i for i in ids if i in state.tasks and state.tasks[i][0] in done)
+    task = state.tasks[request_id][0]
     forget(request.app, request_id)
-    return web.json_response({"request_id": request_id, **result})
+    if task.cancelled():
+        return error(404, f"request {request_id} was aborted")
+    if task.exception() is not None:  # the engine refused it (e.g. a prompt longer than max_model_len)
+        return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {task.exception()}")
+    return web.json_response({"request_id": request_id, **task.result()})
 
 
 async def abort(request):

@@ -58,10 +58,12 @@ class Config:
     lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
     # schedule
-    mode: str = field(default="overlap", metadata={"help": "overlap: submit all N micro-batches, train on each as it lands; "
-                                                        "sync: generate, wait, train, one micro-batch at a time; "
-                                                        "sync-batch: generate the whole step as one batch, then train",
-                                                "choices": ["overlap", "sync", "sync-batch"]})
+    mode: str = field(default="overlap", metadata={"help": "overlap: submit the whole step, train on micro-batches of "
+                                                        "prompts in the order their groups finish; overlap-priority: N "
+                                                        "requests, finishing in order on a throttled server; sync: generate, "
+                                                        "wait, train, one micro-batch at a time; sync-batch: generate the "
+                                                        "whole step as one batch, then train",
+                                                "choices": ["overlap", "overlap-priority", "sync", "sync-batch"]})
     reconnect_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for a server that restarted "
                                                                      "or went away before giving up"})
     warm_start_steps: int = field(default=100, metadata={"help": "supervised steps teaching the tiny model the answer format"})
@@ -203,26 +205,47 @@ def sequence(row, sample, tok, partial=False):
 # the rollout schedules: each yields the micro-batches' results in order
 
 
-def rollouts(client, micro_batches, cfg):
+def requester(client, cfg):
+    """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
+    if cfg.task == "calculator":
+        return functools.partial(client.rollout, tools=["calc"], max_turns=cfg.max_turns,
+                                 max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16))
+    return client.generate
+
+
+def rollouts(client, rows, cfg):
+    """Yield the step's micro-batches as (rows, samples) with samples [prompt][G], in the order
+    the schedule hands them to the trainer. Whatever the order and composition of micro-batches,
+    the step's summed gradient is the same: only *when* the trainer gets each sample changes."""
+    request, N = requester(client, cfg), cfg.micro_batches
     sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    request = client.generate
-    if cfg.task == "calculator":  # episodes: generate -> tool -> generate ..., as one server request each
-        request = functools.partial(client.rollout, tools=["calc"], max_turns=cfg.max_turns,
-                                    max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16))
-    prompts = [[r["prompt"] for r in mb] for mb in micro_batches]
+    size = len(rows) // N
     if cfg.mode == "overlap":
-        # the overlap: submit every micro-batch now (lower priority runs first, so they finish in
-        # order), then hand each one to the trainer as soon as it lands while the rest generate
-        futures = [request(p, priority=i, is_async=True, **sampling) for i, p in enumerate(prompts)]
-        for f in futures:
-            yield f.result()
-    elif cfg.mode == "sync":
-        for p in prompts:
-            yield request(p, **sampling)
-    else:  # sync-batch: one big request, then train on its slices
-        results = request(sum(prompts, []), **sampling)
-        for i in range(len(prompts)):
-            yield results[i * len(prompts[0]):(i + 1) * len(prompts[0])]
+        # the overlap: submit every prompt now, unthrottled (the engine decodes them as one big
+        # batch), then hand the trainer each next `size` prompts' groups in the order they finish,
+        # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
+        futures = [request([r["prompt"]], is_async=True, **sampling) for r in rows]
+        row_of, done = {f.request_id: r for f, r in zip(futures, rows)}, []
+        for future, [group] in client.as_completed(futures):
+            done.append((row_of[future.request_id], group))
+            if len(done) == size:
+                yield [r for r, _ in done], [g for _, g in done]
+                done = []
+    elif cfg.mode == "overlap-priority":
+        # micro-batches as N requests, lower priority first, on a server that admits one
+        # micro-batch of sequences at a time (--max-num-seqs), so they finish in order
+        chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
+        futures = [request([r["prompt"] for r in c], priority=i, is_async=True, **sampling) for i, c in enumerate(chunks)]
+        for c, f in zip(chunks, futures):
+            yield c, f.result()
+    elif cfg.mode == "sync":  # one micro-batch at a time: generate, wait, train
+        for i in range(N):
+            chunk = rows[i * size:(i + 1) * size]
+            yield chunk, request([r["prompt"] for r in chunk], **sampling)
+    else:  # sync-batch: the whole step as one request, then train on its slices
+        results = request([r["prompt"] for r in rows], **sampling)
+        for i in range(N):
+            yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size]
 
 
 # -----------------------------------------------------------------------------
@@ -264,17 +287,14 @@ class ServerRestarted(Exception):
     pass
 
 
-def accumulate_step(client, model, tok, micro_batches, cfg, version, partial):
+def accumulate_step(client, model, tok, rows, cfg, version, partial):
     """Generate one step's samples (with the chosen schedule) and accumulate the policy gradient
     of each micro-batch as it lands. Returns the step's rewards, tokens and timings."""
-    t_step = time.perf_counter()
+    t_step = t0 = time.perf_counter()
     train_s = idle_s = 0.0
     rewards_all, tokens = [], 0
-    results = rollouts(client, micro_batches, cfg)
-    for mb in micro_batches:
-        t0 = time.perf_counter()
-        samples = next(results)  # [prompt][G] Completion or Episode; idle while not ready
-        t_ready = time.perf_counter()
+    for mb, samples in rollouts(client, rows, cfg):  # samples: [prompt][G] Completion or Episode
+        t_ready = time.perf_counter()  # the trainer was idle until now
         idle_s += t_ready - t0
         seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
         if any(v != version for seq in seqs for v in seq["versions"]):
@@ -288,7 +308,8 @@ def accumulate_step(client, model, tok, micro_batches, cfg, version, partial):
         loss.backward()  # gradients accumulate; normalised once the whole step is in
         tokens += int(batch["mask"].sum())
         rewards_all.append(rewards.flatten())
-        train_s += time.perf_counter() - t_ready
+        t0 = time.perf_counter()
+        train_s += t0 - t_ready
     # G: overlapped, generation runs until the last micro-batch lands; synchronous, the
     # trainer waits for all of it (and the server is idle while it trains)
     gen_s = t_ready - t_step if cfg.mode == "overlap" else idle_s
@@ -328,6 +349,10 @@ def train(cfg: Config, client: Client):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     client.init_communicator(device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
+    seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
+    if cfg.mode == "overlap-priority" and client.health()["max_num_seqs"] != seqs:
+        print(f"warning: overlap-priority wants a server started with --max-num-seqs {seqs} (one micro-batch at a "
+              f"time); this one decodes {client.health()['max_num_seqs']} at once, so micro-batches may not finish in order")
     os.makedirs(cfg.out, exist_ok=True)
     history, N = [], cfg.micro_batches
     partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
@@ -335,11 +360,10 @@ def train(cfg: Config, client: Client):
     with client, open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
         for step in bar:
             rows = rng.sample(data, cfg.prompts_per_step)
-            micro_batches = [rows[i::N] for i in range(N)]
             t_step = time.perf_counter()
             for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost
                 try:
-                    s = accumulate_step(client, model, tok, micro_batches, cfg, version, partial)
+                    s = accumulate_step(client, model, tok, rows, cfg, version, partial)
                     break
                 except (ConnectionError, ServerError, ServerRestarted) as e:
                     if attempt == 2 or not server_lost(e):
@@ -394,10 +418,11 @@ def main(argv=None):
     print(json.dumps(asdict(cfg)))
     if cfg.server_url:
         return train(cfg, Client(cfg.server_url))
-    # admission control: the engine runs one micro-batch of sequences at a time, in priority order
+    # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a time
     seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
+    throttle = ("--max-num-seqs", str(seqs)) if cfg.mode == "overlap-priority" else ()
     os.makedirs(cfg.out, exist_ok=True)
-    proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, "--max-num-seqs", str(seqs),
+    proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, *throttle,
                                  "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                                  "--seed", str(cfg.seed), log_path=os.path.join(cfg.out, "server.log"))
     try:

@@ -43,6 +43,18 @@ def test_micro_batches_give_the_gradient_of_one_batch(model_path):
     assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)
 
 
+def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path):
+    """The overlap forms micro-batches in completion order: any permutation and split of the step's
+    sequences must give the same summed gradient."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    prompts, completions, advantages = random_batch(16, seed=1)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(2)).tolist()
+    one = step_gradient(model, prompts, completions, advantages, micro_batches=1)
+    shuffled = step_gradient(model, [prompts[i] for i in order], [completions[i] for i in order], advantages[order],
+                             micro_batches=8)
+    assert torch.allclose(one, shuffled, atol=1e-6, rtol=1e-4)
+
+
 def test_loss_mask_excludes_prompt_and_padding():
     batch = train.make_batch([[5, 6, 7], [5]], [[8, 9], [8, 9, 10]], pad_id=1)  # second row padded
     # targets are input_ids[:, 1:]; the mask is 1 exactly where the target is a completion token
@@ -63,9 +75,11 @@ def test_reward_reads_the_last_number():
     assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
-def test_overlapped_run_is_on_policy(server, model_path, tmp_path, restore_weights):
+@pytest.mark.parametrize("mode", ["overlap", "overlap-priority", "sync", "sync-batch"])
+def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, mode):
     v0 = server.health()["version"]
-    cfg = train.Config(model=model_path, steps=3, prompts_per_step=8, micro_batches=4, group_size=4, out=str(tmp_path))
+    cfg = train.Config(model=model_path, steps=3, prompts_per_step=8, micro_batches=4, group_size=4, out=str(tmp_path),
+                       mode=mode)
     history = train.train(cfg, server)  # raises if any sample's version differs from the step's
     assert [h["version"] for h in history] == [v0 + 1, v0 + 2, v0 + 3]  # v0 + 1: the trainer's initial push
     assert server.health()["version"] == v0 + 4
