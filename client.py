@@ -187,10 +187,12 @@ class RemoteFuture:
 
     def __init__(self, client, request_id, kind="generate"):
         self.client, self.request_id, self.kind = client, request_id, kind
+        self.timing = None  # once fetched: when the server queued, started and finished it (its time.time())
 
     def result(self, timeout=None):
         """Wait (long-polling the server in slices of at most 60 s) and return the result."""
-        return self.client.get_future(self.request_id, timeout, kind=self.kind)
+        _, result, self.timing = self.client._wait({self.request_id: self.kind}, timeout)
+        return result
 
     def abort(self):
         self.client.abort(self.request_id)
@@ -292,12 +294,14 @@ class Client:
         """Yield (future, result) in the order the server finishes them, not the order given."""
         remaining = {f.request_id: f for f in futures}
         while remaining:
-            request_id, result = self._wait({i: f.kind for i, f in remaining.items()}, timeout)
-            yield remaining.pop(request_id), result
+            request_id, result, timing = self._wait({i: f.kind for i, f in remaining.items()}, timeout)
+            future = remaining.pop(request_id)
+            future.timing = timing
+            yield future, result
 
     def _wait(self, kinds, timeout=None):
         """Long-poll /get_future, in slices of at most 60 s, until one of the requests `kinds`
-        ({request id: "generate" | "rollout" | "update"}) is done: (its id, its result)."""
+        ({request id: "generate" | "rollout" | "update"}) is done: (its id, its result, its timing)."""
         deadline, waited = self.timeout if timeout is None else timeout, 0.0
         body = {"request_id": next(iter(kinds))} if len(kinds) == 1 else {"request_ids": list(kinds)}
         while True:
@@ -312,10 +316,10 @@ class Client:
         request_id = reply["request_id"]
         self.pending.discard(request_id)
         if kinds[request_id] == "rollout":
-            return request_id, [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
+            return request_id, [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]], reply["timing"]
         if kinds[request_id] == "generate":
-            return request_id, [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
-        return request_id, reply
+            return request_id, [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]], reply["timing"]
+        return request_id, reply, None
 
     # -- weight sync (the trainer is rank 0) ----------------------------------
 

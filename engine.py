@@ -128,6 +128,7 @@ class Engine:
         self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
         self.gate.set()
         self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
+        self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the weights are mixed
         self.tokenizer = llm.tokenizer
@@ -203,9 +204,19 @@ class Engine:
                     raise RuntimeError(self.load_error)
                 await asyncio.wait_for(self.llm.reset_prefix_cache(), timeout)  # old KV must not be reused
                 self.version += 1
+                async with self.new_version:
+                    self.new_version.notify_all()
                 return self.version, answers[0]
             finally:
                 self.gate.set()
+
+    async def wait_for_version(self, version, timeout):
+        """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
+        async with self.new_version:
+            try:
+                await asyncio.wait_for(self.new_version.wait_for(lambda: self.version >= version), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"weights version {version} were not loaded within {timeout} s") from None
 
     async def rpc(self, method, *args, timeout=60.0):
         """Call `method` on every worker (WeightSyncWorker) and return the first worker's answer."""

@@ -7,7 +7,7 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
 --api-key all but /health and /metrics need "Authorization: Bearer <key>"):
     GET  /health              status, model, weight version, requests in flight, group port, GPUs;
                               503 once a failed weight load left the engine unusable
-    POST /generate            {prompts, n, temperature, ..., priority} -> 202 {request_id}, at once
+    POST /generate            {prompts, n, temperature, ..., priority, min_version} -> 202 {request_id}, at once
     POST /rollout             {prompts, tools, max_turns, max_episode_tokens, call_start, call_end,
                                sampling fields} -> 202 {request_id}; multi-turn tool episodes
     POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
@@ -247,6 +247,16 @@ def check_serving(app):
                                          content_type="application/json")
 
 
+async def when_ready(app, min_version, work):
+    """Run `work` (a coroutine function) once weights `min_version` are loaded; the result carries
+    when it was queued, started and finished (the server's time.time()), to measure the overlap."""
+    queued = time.time()
+    await app[ENGINE].wait_for_version(min_version, app[STATE].opts.result_ttl)
+    started = time.time()
+    result = await work()
+    return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}
+
+
 async def run_generate(app, prompts, params, priority):
     metrics = app[METRICS]
     results = await app[ENGINE].generate(prompts, params, priority)
@@ -255,13 +265,20 @@ async def run_generate(app, prompts, params, priority):
     return {"completions": [[vars(c) for c in r] for r in results]}  # vars: asdict deep-copies, 20x slower
 
 
+def parse_min_version(body):
+    min_version = body.get("min_version", 0)
+    check_type("min_version", min_version, int)
+    return min_version
+
+
 async def generate(request):
     check_serving(request.app)
     body, state = await read_json(request), request.app[STATE]
-    prompts, params = parse_prompts(body, state), parse_sampling(body, state)
-    priority = body.get("priority", 0)
+    prompts, params = parse_prompts(body, state), parse_sampling(body, state, extra=("min_version",))
+    priority, min_version = body.get("priority", 0), parse_min_version(body)
     check_type("priority", priority, int)
-    request_id = submit(request.app, body, run_generate(request.app, prompts, params, priority))
+    work = when_ready(request.app, min_version, lambda: run_generate(request.app, prompts, params, priority))
+    request_id = submit(request.app, body, work)
     return web.json_response({"request_id": request_id}, status=202)
 
 
@@ -276,7 +293,8 @@ async def rollout(request):
     check_serving(request.app)
     body, state = await read_json(request), request.app[STATE]
     prompts = parse_prompts(body, state)
-    params = parse_sampling(body, state, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end"))
+    params = parse_sampling(body, state, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version"))
+    min_version = parse_min_version(body)
     max_turns, budget, tools = body.get("max_turns", 4), body.get("max_episode_tokens", 256), body.get("tools")
     for name, value, most in (("max_turns", max_turns, 100), ("max_episode_tokens", budget, state.opts.max_model_len)):
         check_type(name, value, int)
@@ -293,8 +311,9 @@ async def rollout(request):
             check_type(name, value, str)
             if not value:
                 raise BadRequest(f"'{name}' must be a non-empty string")
-    coro = run_rollout(request.app, prompts, params, max_turns, budget, tools, call_start, call_end)
-    return web.json_response({"request_id": submit(request.app, body, coro)}, status=202)
+    work = when_ready(request.app, min_version,
+                      lambda: run_rollout(request.app, prompts, params, max_turns, budget, tools, call_start, call_end))
+    return web.json_response({"request_id": submit(request.app, body, work)}, status=202)
 
 
 async def get_future(request):

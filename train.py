@@ -64,6 +64,10 @@ class Config:
                                                         "wait, train, one micro-batch at a time; sync-batch: generate the "
                                                         "whole step as one batch, then train",
                                                 "choices": ["overlap", "overlap-priority", "sync", "sync-batch"]})
+    max_staleness: int = field(default=0, metadata={"help": "0: every sample comes from the weights it is trained on "
+                                                            "(exactly on-policy); 1: step s+1 generates on the weights of step s "
+                                                            "while step s trains, corrected by truncated importance sampling"})
+    is_cap: float = field(default=2.0, metadata={"help": "cap of the importance weights of stale samples (TIS)"})
     reconnect_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for a server that restarted "
                                                                      "or went away before giving up"})
     warm_start_steps: int = field(default=100, metadata={"help": "supervised steps teaching the tiny model the answer format"})
@@ -74,6 +78,8 @@ class Config:
             raise ValueError("steps, micro_batches, max_tokens and max_turns must be >= 1")
         if self.prompts_per_step % self.micro_batches:
             raise ValueError("prompts_per_step must be divisible by micro_batches")
+        if self.max_staleness not in (0, 1):
+            raise ValueError("max_staleness must be 0 or 1")
         if self.group_size < 2:
             raise ValueError("GRPO needs at least 2 completions per prompt (group_size >= 2)")
         if self.dataset and not os.path.exists(self.dataset):
@@ -163,16 +169,21 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + 1e-4)
 
 
-def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None):
+def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
     """Right-padded (B, T) input_ids, attention, and a loss mask that is 1 on completion tokens
-    (or, for multi-turn episodes, on the tokens the model sampled: `loss_masks`)."""
+    (or, for multi-turn episodes, on the tokens the model sampled: `loss_masks`); with
+    `old_logprobs` (per token, None where not sampled) also the behaviour logprobs."""
     rows = [p + c for p, c in zip(prompt_ids, completion_ids)]
     masks = loss_masks or [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, completion_ids)]
     T = max(len(r) for r in rows)
     input_ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])  # (B, T)
     attention = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # (B, T)
     mask = torch.tensor([m + [0] * (T - len(m)) for m in masks], dtype=torch.float32)  # (B, T)
-    return {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}  # mask aligns with targets
+    batch = {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}  # aligned with the targets
+    if old_logprobs is not None:
+        old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])  # (B, T)
+        batch["old_logprobs"] = old[:, 1:]
+    return batch
 
 
 def token_logprobs(model, batch, temperature=1.0):
@@ -184,25 +195,39 @@ def token_logprobs(model, batch, temperature=1.0):
     return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1).cpu()
 
 
+def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
+    """The policy-gradient loss, summed over completion tokens: -w * A * log p(token).
+
+    logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
+    sampled; advantages (B,); mask (B, T); stale (B,) True for samples from older weights. On-
+    policy samples have w = 1 exactly. Stale ones get truncated importance sampling (TIS):
+    w = min(p / p_old, is_cap) per token, a constant (no gradient through it). Returns the loss
+    and w. The caller divides the step's summed gradient by its number of completion tokens."""
+    ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
+    w = torch.where(stale[:, None], ratio, torch.ones_like(ratio))
+    return -(w * advantages[:, None] * logprobs * mask).sum(), w
+
+
 def pg_loss_sum(model, batch, advantages, temperature=1.0):
-    """Sum over the batch's completion tokens of -A * log p(token). The caller divides the summed
-    gradient of the whole optimizer step by its number of completion tokens."""
-    return -(advantages[:, None] * token_logprobs(model, batch, temperature) * batch["mask"]).sum()
+    """pg_loss for on-policy samples only (w = 1): -sum(A * log p) over completion tokens."""
+    logprobs = token_logprobs(model, batch, temperature)
+    return pg_loss(logprobs, logprobs.detach(), advantages, batch["mask"], torch.zeros(len(advantages), dtype=torch.bool))[0]
 
 
 def sequence(row, sample, tok, partial=False):
-    """One sample as token ids, loss mask (1 = sampled by the model), reward, and the weight
-    versions that produced it (an episode has one per turn)."""
+    """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward,
+    and the weight versions that produced it (an episode has one per turn)."""
     if isinstance(sample, Episode):
-        return {"ids": sample.token_ids, "mask": sample.loss_mask, "reward": reward(sample.turns[-1]["text"], row["answer"], partial),
-                "versions": [t["version"] for t in sample.turns]}
+        return {"ids": sample.token_ids, "mask": sample.loss_mask, "logprobs": sample.logprobs,
+                "reward": reward(sample.turns[-1]["text"], row["answer"], partial), "versions": [t["version"] for t in sample.turns]}
     prompt = tok(row["prompt"]).input_ids
     return {"ids": prompt + sample.token_ids, "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
+            "logprobs": [None] * len(prompt) + sample.logprobs,
             "reward": reward(sample.text, row["answer"], partial), "versions": [sample.version]}
 
 
 # -----------------------------------------------------------------------------
-# the rollout schedules: each yields the micro-batches' results in order
+# the rollout schedules: submit() sends a step's prompts, collect() hands them to the trainer
 
 
 def requester(client, cfg):
@@ -213,67 +238,88 @@ def requester(client, cfg):
     return client.generate
 
 
-def rollouts(client, rows, cfg):
-    """Yield the step's micro-batches as (rows, samples) with samples [prompt][G], in the order
+def submit(client, rows, cfg, min_version=None):
+    """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
+    `min_version` the server holds them until those weights are loaded (no round trip needed)."""
+    request, N, size = requester(client, cfg), cfg.micro_batches, len(rows) // cfg.micro_batches
+    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, is_async=True)
+    if min_version is not None:
+        sampling["min_version"] = min_version
+    if cfg.mode == "overlap":  # every prompt its own request, all at once: the engine decodes one big batch
+        return [([r], request([r["prompt"]], **sampling)) for r in rows]
+    if cfg.mode == "overlap-priority":  # N requests, lower priority first, on a throttled server
+        chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
+        return [(c, request([r["prompt"] for r in c], priority=i, **sampling)) for i, c in enumerate(chunks)]
+    if cfg.mode == "sync-batch":  # the whole step as one request
+        return [(rows, request([r["prompt"] for r in rows], **sampling))]
+    return []  # sync: each micro-batch is requested when the trainer is ready for it
+
+
+def collect(client, rows, submitted, cfg):
+    """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G], in the order
     the schedule hands them to the trainer. Whatever the order and composition of micro-batches,
     the step's summed gradient is the same: only *when* the trainer gets each sample changes."""
-    request, N = requester(client, cfg), cfg.micro_batches
-    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    size = len(rows) // N
+    N, size = cfg.micro_batches, len(rows) // cfg.micro_batches
     if cfg.mode == "overlap":
-        # the overlap: submit every prompt now, unthrottled (the engine decodes them as one big
-        # batch), then hand the trainer each next `size` prompts' groups in the order they finish,
+        # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
         # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
-        futures = [request([r["prompt"]], is_async=True, **sampling) for r in rows]
-        row_of, done = {f.request_id: r for f, r in zip(futures, rows)}, []
-        for future, [group] in client.as_completed(futures):
-            done.append((row_of[future.request_id], group))
+        row_of, done = {f.request_id: r for [r], f in submitted}, []
+        for future, [group] in client.as_completed([f for _, f in submitted]):
+            done.append((row_of[future.request_id], group, future.timing))
             if len(done) == size:
-                yield [r for r, _ in done], [g for _, g in done]
+                yield [r for r, _, _ in done], [g for _, g, _ in done], [m for _, _, m in done]
                 done = []
-    elif cfg.mode == "overlap-priority":
-        # micro-batches as N requests, lower priority first, on a server that admits one
-        # micro-batch of sequences at a time (--max-num-seqs), so they finish in order
-        chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
-        futures = [request([r["prompt"] for r in c], priority=i, is_async=True, **sampling) for i, c in enumerate(chunks)]
-        for c, f in zip(chunks, futures):
-            yield c, f.result()
-    elif cfg.mode == "sync":  # one micro-batch at a time: generate, wait, train
+    elif cfg.mode == "overlap-priority":  # in submission order: the throttled server finishes them so
+        for chunk, future in submitted:
+            yield chunk, future.result(), [future.timing]
+    elif cfg.mode == "sync-batch":
+        [(_, future)] = submitted
+        results = future.result()
+        for i in range(N):
+            yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size], [future.timing]
+    else:  # sync: generate one micro-batch, wait, train, next
         for i in range(N):
             chunk = rows[i * size:(i + 1) * size]
-            yield chunk, request([r["prompt"] for r in chunk], **sampling)
-    else:  # sync-batch: the whole step as one request, then train on its slices
-        results = request([r["prompt"] for r in rows], **sampling)
-        for i in range(N):
-            yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size]
+            future = requester(client, cfg)([r["prompt"] for r in chunk], n=cfg.group_size, temperature=cfg.temperature,
+                                            max_tokens=cfg.max_tokens, is_async=True)
+            yield chunk, future.result(), [future.timing]
 
 
 # -----------------------------------------------------------------------------
 # logging
 
 
-def plot(history, path):
+def plot(history, path, timeline_steps=4):
+    """Reward per step, the time each step spent, and a timeline of a few steps: when the server
+    generated each micro-batch and when the trainer trained on it and pushed weights."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), gridspec_kw={"height_ratios": [3, 2, 2]})
     ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
     ax1.set_ylabel("per sample")
     ax1.legend(loc="lower right", fontsize=8)
-    ax1.set_title("GRPO, overlapped rollouts" if history[0]["mode"] == "overlap" else f"GRPO, {history[0]['mode']} rollouts")
+    ax1.set_title(f"GRPO, {history[0]['mode']} rollouts, max staleness {max(h['staleness'] for h in history):.0f}")
     bottom = [0.0] * len(steps)
     for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
         values = [h[key] for h in history]
         ax2.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s").replace("idle", "idle (waiting for rollouts)"))
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.plot(steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server, in parallel)")
+    ax2.plot(steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("seconds")
     ax2.legend(loc="upper right", fontsize=8)
+    shown = history[len(history) // 2:][:timeline_steps]  # a few steps from the middle of the run
+    t0 = shown[0]["intervals"]["gen"][0][0]
+    for lane, (key, color) in enumerate([("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]):
+        for h in shown:
+            ax3.broken_barh([(a - t0, b - a) for a, b in h["intervals"][key]], (lane - 0.4, 0.8), color=color, alpha=0.5)
+    ax3.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
+    ax3.set_xlabel(f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -287,33 +333,37 @@ class ServerRestarted(Exception):
     pass
 
 
-def accumulate_step(client, model, tok, rows, cfg, version, partial):
-    """Generate one step's samples (with the chosen schedule) and accumulate the policy gradient
-    of each micro-batch as it lands. Returns the step's rewards, tokens and timings."""
-    t_step = t0 = time.perf_counter()
-    train_s = idle_s = 0.0
-    rewards_all, tokens = [], 0
-    for mb, samples in rollouts(client, rows, cfg):  # samples: [prompt][G] Completion or Episode
-        t_ready = time.perf_counter()  # the trainer was idle until now
-        idle_s += t_ready - t0
+def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
+    """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
+    each micro-batch as it lands. Returns the step's rewards, tokens, staleness and importance
+    weights, and the intervals (time.time()) of generation on the server and training here."""
+    t0 = time.time()
+    rewards_all, tokens, staleness, weights, gen, trained = [], 0, [], [], [], []
+    for mb, samples, timings in collect(client, rows, submitted, cfg):  # samples: [prompt][G] Completion or Episode
+        t_ready = time.time()  # the trainer was idle until now
+        gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
         seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
-        if any(v != version for seq in seqs for v in seq["versions"]):
+        lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])  # (B,) how many updates old
+        if (lag < 0).any() or (lag > cfg.max_staleness).any():
             if client.health()["version"] < version:  # versions start again at 0 in a new server
                 raise ServerRestarted(f"the server's weight version went back from {version}")
-            raise RuntimeError(f"off-policy sample: expected weight version {version}")
+            raise RuntimeError(f"sample versions {sorted(set((version - lag).tolist()))} at trainer version {version}: "
+                               f"more than --max-staleness {cfg.max_staleness} behind")
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
         advantages = group_advantages(rewards).flatten()  # (B,)
-        batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs])
-        loss = pg_loss_sum(model, batch, advantages.to(torch.float32), cfg.temperature)
+        batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs],
+                           [seq["logprobs"] for seq in seqs])
+        logprobs = token_logprobs(model, batch, cfg.temperature)  # (B, T-1)
+        loss, w = pg_loss(logprobs, batch["old_logprobs"], advantages.float(), batch["mask"], lag > 0, cfg.is_cap)
         loss.backward()  # gradients accumulate; normalised once the whole step is in
         tokens += int(batch["mask"].sum())
         rewards_all.append(rewards.flatten())
-        t0 = time.perf_counter()
-        train_s += t0 - t_ready
-    # G: overlapped, generation runs until the last micro-batch lands; synchronous, the
-    # trainer waits for all of it (and the server is idle while it trains)
-    gen_s = t_ready - t_step if cfg.mode == "overlap" else idle_s
-    return {"rewards": torch.cat(rewards_all), "tokens": tokens, "gen_s": gen_s, "train_s": train_s, "idle_s": idle_s}
+        staleness += lag.tolist()
+        weights.append(w[(lag > 0)[:, None] & (batch["mask"] > 0)])  # the stale samples' token weights
+        t0 = time.time()
+        trained.append([t_ready, t0])
+    return {"rewards": torch.cat(rewards_all), "tokens": tokens, "staleness": staleness, "is_weights": torch.cat(weights),
+            "gen": gen, "train": trained}
 
 
 def server_lost(e):
@@ -354,47 +404,65 @@ def train(cfg: Config, client: Client):
         print(f"warning: overlap-priority wants a server started with --max-num-seqs {seqs} (one micro-batch at a "
               f"time); this one decodes {client.health()['max_num_seqs']} at once, so micro-batches may not finish in order")
     os.makedirs(cfg.out, exist_ok=True)
-    history, N = [], cfg.micro_batches
+    history = []
     partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
     # `with client`: if anything below raises, the requests still generating on the server are aborted
     with client, open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
+        t_run = time.time()
+        rows = rng.sample(data, cfg.prompts_per_step)
+        submitted = submit(client, rows, cfg)
         for step in bar:
-            rows = rng.sample(data, cfg.prompts_per_step)
-            t_step = time.perf_counter()
+            t_step = time.time()
+            next_rows = rng.sample(data, cfg.prompts_per_step)
+            if cfg.max_staleness == 1:  # step s+1 generates now, on these weights, while we train on step s
+                next_submitted = submit(client, next_rows, cfg)
             for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost
                 try:
-                    s = accumulate_step(client, model, tok, rows, cfg, version, partial)
+                    s = accumulate_step(client, model, tok, rows, submitted, cfg, version, partial)
                     break
                 except (ConnectionError, ServerError, ServerRestarted) as e:
                     if attempt == 2 or not server_lost(e):
                         raise
                     opt.zero_grad(set_to_none=True)
                     version = reconnect(client, model, cfg, e)
+                    submitted = submit(client, rows, cfg)
+                    if cfg.max_staleness == 1:
+                        next_submitted = submit(client, next_rows, cfg)
             # the loss normalisation: divide the summed gradient by every completion token of the step
-            t0 = time.perf_counter()
+            t0 = time.time()
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad /= max(s["tokens"], 1)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            train_s = s["train_s"] + time.perf_counter() - t0
-            t0 = time.perf_counter()
+            s["train"].append([t0, time.time()])
+            if cfg.max_staleness == 0 and step + 1 < cfg.steps:  # on-policy: the server holds step s+1 until the
+                next_submitted = submit(client, next_rows, cfg, min_version=version + 1)  # push below has landed
+            t_sync = time.time()
             sampled_version = version
             try:
-                version = client.update_model_params(model)  # step s+1 samples from these
+                version = client.update_model_params(model)  # the next step samples from these (K = 0)
             except (ConnectionError, ServerError) as e:
                 if not server_lost(e):
                     raise
                 version = reconnect(client, model, cfg, e)
-            sync_s = time.perf_counter() - t0
-            step_s = time.perf_counter() - t_step
-            G, T, S = (s["gen_s"], train_s, sync_s)
+            rows, submitted = next_rows, next_submitted if step + 1 < cfg.steps else None
+            # the overlap measured where it happens: generation on the server, training and sync here
+            gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
+            train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), time.time() - t_sync, time.time() - t_step
+            w, N = s["is_weights"], cfg.micro_batches
+            bound = ((gen_s + train_s + sync_s) / (max(gen_s, train_s) + sync_s) if cfg.max_staleness else
+                     (gen_s + train_s + sync_s) / (max(gen_s, train_s) + min(gen_s, train_s) / N + sync_s))
             rewards = s["rewards"]
             row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
-                   "version": sampled_version, "mode": cfg.mode,
-                   "grad_norm": grad_norm.item(), "tokens": s["tokens"], "gen_s": G, "train_s": T, "sync_s": S,
-                   "idle_s": s["idle_s"], "step_s": step_s, "bound": (G + T + S) / (max(G, T) + min(G, T) / N + S)}
+                   "version": sampled_version, "mode": cfg.mode, "grad_norm": grad_norm.item(), "tokens": s["tokens"],
+                   "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s,
+                   "step_s": step_s, "bound": bound, "staleness": sum(s["staleness"]) / len(s["staleness"]),
+                   "is_weight_mean": w.mean().item() if len(w) else 1.0, "is_weight_max": w.max().item() if len(w) else 1.0,
+                   "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(w) else 0.0,
+                   "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in v]
+                                 for k, v in (("gen", s["gen"]), ("train", s["train"]), ("sync", [[t_sync, t_sync + sync_s]]))}}
             history.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
