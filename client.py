@@ -264,11 +264,18 @@ class Client:
     def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, priority=0, is_async=False, **sampling):
         """Completions for each prompt (a string or a list of token ids): a list per prompt of
         `n` Completion(text, token_ids, logprobs, finish_reason, version). Other keyword
-        arguments are vLLM SamplingParams fields (top_p, top_k, seed, stop, ...).
+        arguments are vLLM SamplingParams fields (top_p, top_k, seed, stop, ...), or min_version.
         With is_async=True, return a RemoteFuture at once instead."""
         body = dict(prompts=list(prompts), n=n, temperature=temperature, max_tokens=max_tokens, priority=priority, **sampling)
         future = RemoteFuture(self, self._submit("/generate", body))
         return future if is_async else future.result()
+
+    def generate_each(self, prompts, n=1, temperature=1.0, max_tokens=16, **sampling):
+        """One RemoteFuture per prompt, submitted in one call; collect them with as_completed()."""
+        body = dict(prompts=list(prompts), n=n, temperature=temperature, max_tokens=max_tokens, split_prompts=True, **sampling)
+        ids = self._request("POST", "/generate", body)["request_ids"]
+        self.pending.update(ids)
+        return [RemoteFuture(self, i) for i in ids]
 
     def rollout(self, prompts, n=1, tools=None, max_turns=4, max_episode_tokens=256, temperature=1.0, max_tokens=64,
                 is_async=False, **sampling):
@@ -294,16 +301,17 @@ class Client:
         """Yield (future, result) in the order the server finishes them, not the order given."""
         remaining = {f.request_id: f for f in futures}
         while remaining:
-            request_id, result, timing = self._wait({i: f.kind for i, f in remaining.items()}, timeout)
-            future = remaining.pop(request_id)
-            future.timing = timing
-            yield future, result
+            for request_id, result, timing in self._wait({i: f.kind for i, f in remaining.items()}, timeout, every=True):
+                future = remaining.pop(request_id)
+                future.timing = timing
+                yield future, result
 
-    def _wait(self, kinds, timeout=None):
+    def _wait(self, kinds, timeout=None, every=False):
         """Long-poll /get_future, in slices of at most 60 s, until one of the requests `kinds`
-        ({request id: "generate" | "rollout" | "update"}) is done: (its id, its result, its timing)."""
+        ({request id: "generate" | "rollout" | "update"}) is done: (its id, its result, its
+        timing), or with `every`, a list of those for all of them that are done by then."""
         deadline, waited = self.timeout if timeout is None else timeout, 0.0
-        body = {"request_id": next(iter(kinds))} if len(kinds) == 1 else {"request_ids": list(kinds)}
+        body = {"request_ids": list(kinds)} if every else {"request_id": next(iter(kinds))}
         while True:
             wait = min(60.0, max(deadline - waited, 0.0))
             try:
@@ -313,13 +321,17 @@ class Client:
                 waited += wait
                 if e.status != 408 or waited >= deadline:
                     raise
-        request_id = reply["request_id"]
-        self.pending.discard(request_id)
-        if kinds[request_id] == "rollout":
-            return request_id, [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]], reply["timing"]
-        if kinds[request_id] == "generate":
-            return request_id, [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]], reply["timing"]
-        return request_id, reply, None
+        done = [(r["request_id"], self._parse(r, kinds[r["request_id"]]), r.get("timing")) for r in reply.get("results", [reply])]
+        self.pending.difference_update(i for i, _, _ in done)
+        return done if every else done[0]
+
+    @staticmethod
+    def _parse(reply, kind):
+        if kind == "rollout":
+            return [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
+        if kind == "generate":
+            return [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
+        return reply
 
     # -- weight sync (the trainer is rank 0) ----------------------------------
 

@@ -7,10 +7,12 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
 --api-key all but /health and /metrics need "Authorization: Bearer <key>"):
     GET  /health              status, model, weight version, requests in flight, group port, GPUs;
                               503 once a failed weight load left the engine unusable
-    POST /generate            {prompts, n, temperature, ..., priority, min_version} -> 202 {request_id}, at once
+    POST /generate            {prompts, n, temperature, ..., priority, min_version} -> 202 {request_id}, at once;
+                              with split_prompts: true, one request per prompt -> 202 {request_ids}
     POST /rollout             {prompts, tools, max_turns, max_episode_tokens, call_start, call_end,
                                sampling fields} -> 202 {request_id}; multi-turn tool episodes
-    POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
+    POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout,
+                              or {request_ids: [...]} -> {results: [...]} of those done (at least one)
                               -> the result; 408 if not ready in time (ask again, nothing is lost)
     POST /abort               {request_id} -> stop generating it and free it
     POST /init_communicator   {transport: "nccl"|"gloo", host, world_size}: join the weight group the
@@ -274,12 +276,18 @@ def parse_min_version(body):
 async def generate(request):
     check_serving(request.app)
     body, state = await read_json(request), request.app[STATE]
-    prompts, params = parse_prompts(body, state), parse_sampling(body, state, extra=("min_version",))
+    prompts, params = parse_prompts(body, state), parse_sampling(body, state, extra=("min_version", "split_prompts"))
+    check_type("split_prompts", body.get("split_prompts", False), bool)
     priority, min_version = body.get("priority", 0), parse_min_version(body)
     check_type("priority", priority, int)
-    work = when_ready(request.app, min_version, lambda: run_generate(request.app, prompts, params, priority))
-    request_id = submit(request.app, body, work)
-    return web.json_response({"request_id": request_id}, status=202)
+    if body.get("split_prompts", False) is not True:
+        work = when_ready(request.app, min_version, lambda: run_generate(request.app, prompts, params, priority))
+        return web.json_response({"request_id": submit(request.app, body, work)}, status=202)
+    # one request per prompt, in one call: each can be collected as soon as its own prompt is done
+    ids = [submit(request.app, {**body, "prompts": [p], "split_prompts": False},
+                  when_ready(request.app, min_version, lambda p=p: run_generate(request.app, [p], params, priority)))
+           for p in prompts]
+    return web.json_response({"request_ids": ids}, status=202)
 
 
 async def run_rollout(app, prompts, params, *options):
@@ -317,8 +325,8 @@ async def rollout(request):
 
 
 async def get_future(request):
-    """The result of `request_id`, or of whichever of `request_ids` finishes first, or of the
-    oldest request with the identical arguments; waiting at most `timeout` seconds."""
+    """The result of `request_id`, or of the oldest request with the identical arguments, or
+    {"results": [...]} of all of `request_ids` that are done once one is; waiting at most `timeout` s."""
     body, state = await read_json(request), request.app[STATE]
     timeout = body.get("timeout", 60)
     check_type("timeout", timeout, float)
@@ -341,14 +349,18 @@ async def get_future(request):
         if "request_ids" not in body:
             unclaim(request.app, ids[0])
         return error(408, f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again")
-    request_id = next(i for i in ids if i in state.tasks and state.tasks[i][0] in done)
-    task = state.tasks[request_id][0]
-    forget(request.app, request_id)
-    if task.cancelled():
-        return error(404, f"request {request_id} was aborted")
-    if task.exception() is not None:  # the engine refused it (e.g. a prompt longer than max_model_len)
-        return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {task.exception()}")
-    return web.json_response({"request_id": request_id, **task.result()})
+    results = []
+    for request_id in [i for i in ids if i in state.tasks and state.tasks[i][0] in done]:
+        task = state.tasks[request_id][0]
+        forget(request.app, request_id)
+        if task.cancelled():
+            return error(404, f"request {request_id} was aborted")
+        if task.exception() is not None:  # the engine refused it (e.g. a prompt longer than max_model_len)
+            return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {task.exception()}")
+        results.append({"request_id": request_id, **task.result()})
+    if "request_ids" in body:  # every one of them that is done: fewer round trips
+        return web.json_response({"results": results})
+    return web.json_response(results[0])
 
 
 async def abort(request):

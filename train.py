@@ -246,7 +246,10 @@ def submit(client, rows, cfg, min_version=None):
     if min_version is not None:
         sampling["min_version"] = min_version
     if cfg.mode == "overlap":  # every prompt its own request, all at once: the engine decodes one big batch
-        return [([r], request([r["prompt"]], **sampling)) for r in rows]
+        if cfg.task == "calculator":
+            return [([r], request([r["prompt"]], **sampling)) for r in rows]
+        sampling.pop("is_async")
+        return list(zip([[r] for r in rows], client.generate_each([r["prompt"] for r in rows], **sampling)))
     if cfg.mode == "overlap-priority":  # N requests, lower priority first, on a throttled server
         chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
         return [(c, request([r["prompt"] for r in c], priority=i, **sampling)) for i, c in enumerate(chunks)]
