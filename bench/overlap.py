@@ -1,29 +1,29 @@
-"""GRPO step time with overlapped rollouts versus the two synchronous schedules, on one server.
+"""GRPO step time of every schedule against the strongest synchronous one, on one machine.
 
-    .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T; ~4 min
+    .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
     .venv/bin/python bench/overlap.py --steps 6 --num-layers 6    # a bigger model: T grows faster than G
 
-Core 0 plays the inference GPU: the server runs under `taskset -c 0` with
-VLLM_CPU_OMP_THREADS_BIND=0 (its worker's OpenMP threads: one, on core 0). Core 1 plays the
-training GPU: this process, one torch thread. The server starts once; `train.train` then runs
-three times against it with the same Config except `mode` (sync, sync-batch, overlap) and `out`.
-Each run first pushes the checkpoint's weights into the server, so all three start from one policy.
+Core 0 plays the inference GPU: servers run under `taskset -c 0` with VLLM_CPU_OMP_THREADS_BIND=0.
+Core 1 plays the training GPU: this process, one torch thread. `train.train` runs once per schedule
+with the same Config except the schedule and `out`, each on the server settings it needs:
+  sync-batch        the baseline: the whole step as one batch, then train; unthrottled server
+  overlap           the default: the whole step submitted at once, micro-batches of prompts trained
+                    on in the order their groups finish; unthrottled server
+  overlap K=1       the same with --max-staleness 1: step s+1 generates while step s trains
+  overlap-priority  N requests finishing in order on a server throttled to one micro-batch
+                    (--max-num-seqs); the older schedule, kept for comparison
+Each run first pushes the checkpoint's weights, so all start from one policy.
 
-The workload: a Qwen2 from `engine.tiny_model` that is *not* warm-started. The warm-started
-addition model answers in ~2 tokens, so generation would be a sliver of the step; this one
-samples up to `--max-tokens` characters at temperature 1, so generation G and training T are
-comparable. The reward (last number == a+b) is rarely 1: the gradients are real but noisy,
-which is all a timing benchmark needs.
+The workload: a Qwen2 from `engine.tiny_model` that is *not* warm-started, sampling at temperature 1
+until its end-of-text token or `--max-tokens`, so completion lengths vary from prompt to prompt (a
+long tail at the limit). The reward (last number == a+b) is rarely 1: the gradients are real but
+noisy, which is all a timing benchmark needs.
 
-Per mode, medians over steps after the first `--warmup` of train.py's metrics.jsonl:
-  G     `gen_s`, generation: overlapped, until the last micro-batch landed; synchronous, the
-        trainer's wait for every token
-  T, S  `train_s` (forward/backward + optimizer step) and `sync_s` (weight update)
-  idle  `idle_s`, the trainer waiting for rollouts;   step  `step_s`
-  tokens  completion tokens per step: the three runs should do the same work (hence the small --lr)
-The last line is `overlap_speedup=<x> bound=<b> efficiency=<x/b>`: x is the faster synchronous
-step time over the overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from that same
-synchronous run's G, T, S, the best the overlap can do against it.
+Per schedule, medians over steps after the first `--warmup` of train.py's metrics.jsonl: G
+(`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`), idle, step, tokens.
+The last lines are `overlap_speedup=<x> bound=<b> efficiency=<x/b>` (x = sync-batch step time over
+overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from the sync-batch run) and
+`stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`.
 """
 import argparse
 import json
@@ -40,7 +40,6 @@ import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import TINY_MODEL_DIR, tiny_model  # noqa: E402
 
-MODES = ["sync", "sync-batch", "overlap"]
 
 
 def medians(history, warmup):
@@ -73,32 +72,41 @@ def main():
     torch.set_num_threads(1)
     model = tiny_model(path=f"{TINY_MODEL_DIR}-h{args.hidden_size}-l{args.num_layers}",
                        hidden_size=args.hidden_size, num_layers=args.num_layers)
-    seqs = args.prompts_per_step // args.micro_batches * args.group_size  # admission control: one micro-batch at a time
+    seqs = args.prompts_per_step // args.micro_batches * args.group_size  # overlap-priority: one micro-batch at a time
+    runs = {"sync-batch": ("sync-batch", 0, ()), "overlap": ("overlap", 0, ()), "overlap K=1": ("overlap", 1, ()),
+            "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs)))}
     os.makedirs(args.out, exist_ok=True)
-    proc, client = launch_server("--model", model, "--max-num-seqs", str(seqs), prefix=("taskset", "-c", "0"),
-                                 env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # the engine's OpenMP threads: core 0
-                                 log_path=os.path.join(args.out, "server.log"))
     results = {}
-    try:
-        for mode in MODES:
-            cfg = train.Config(model=model, out=os.path.join(args.out, mode), steps=args.steps, mode=mode,
-                               prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
-                               group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr)
-            print(json.dumps(vars(cfg)), flush=True)
-            results[mode] = medians(train.train(cfg, client), args.warmup)
-    finally:
-        stop_server(proc)
+    for flags in sorted({f for _, _, f in runs.values()}):
+        proc, client = launch_server("--model", model, *flags, prefix=("taskset", "-c", "0"),
+                                     env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # the engine's OpenMP threads: core 0
+                                     log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
+        try:
+            for name, (mode, staleness, needs) in runs.items():
+                if needs != flags:
+                    continue
+                cfg = train.Config(model=model, out=os.path.join(args.out, name.replace(" ", "-")), steps=args.steps, mode=mode,
+                                   max_staleness=staleness, prompts_per_step=args.prompts_per_step,
+                                   micro_batches=args.micro_batches, group_size=args.group_size, max_tokens=args.max_tokens,
+                                   lr=args.lr)
+                print(json.dumps(vars(cfg)), f"server flags: {' '.join(flags) or 'none'}", flush=True)
+                results[name] = medians(train.train(cfg, client), args.warmup)
+        finally:
+            stop_server(proc)
 
     N = args.micro_batches
-    print(f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step (N={N}, {seqs} sequences per micro-batch)")
-    print(f"{'mode':<11} {'G':>6} {'T':>6} {'S':>6} {'idle':>6} {'step':>6} {'tokens':>7}")
-    for mode, m in results.items():
-        print(f"{mode:<11} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")) + f" {m['tokens']:7.0f}")
-    baseline = min(("sync", "sync-batch"), key=lambda mode: results[mode]["step"])  # the strongest synchronous loop
-    x = results[baseline]["step"] / results["overlap"]["step"]
-    b = bound(results[baseline], N)
-    print(f"baseline: {baseline}")
+    print(f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step (N={N}, {args.prompts_per_step} prompts x "
+          f"{args.group_size} x <={args.max_tokens} tokens)")
+    print(f"{'schedule':<17} {'G':>6} {'T':>6} {'S':>6} {'idle':>6} {'step':>6} {'tokens':>7}")
+    for name in runs:
+        m = results[name]
+        print(f"{name:<17} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")) + f" {m['tokens']:7.0f}")
+    base = results["sync-batch"]
+    G, T, S = base["G"], base["T"], base["S"]
+    x, b = base["step"] / results["overlap"]["step"], bound(base, N)
     print(f"overlap_speedup={x:.3f} bound={b:.3f} efficiency={x / b:.3f}")
+    print(f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} stale_bound={(G + T + S) / (max(G, T) + S):.3f}")
+    print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
 
 
 if __name__ == "__main__":

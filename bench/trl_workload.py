@@ -5,7 +5,8 @@
 The workload: 4 prompts x 8 samples x up to 32 tokens per step, gradient accumulation 4 (one
 prompt per micro-batch), lr 1e-3, 20 steps, the untrained tiny model (temperature 1, so lengths
 vary), server and trainer sharing both cores. Each schedule runs on the server settings it needs:
-one unthrottled server (vLLM's defaults) for overlap, sync and sync-batch, and one started with
+one unthrottled server (vLLM's defaults) for sync-batch, sync, overlap and overlap with
+--max-staleness 1 (overlap K=1), and one started with
 --max-num-seqs 8 (one micro-batch of sequences at a time) for overlap-priority. Each run first
 pushes the same initial weights. Printed per schedule: the median seconds per step of steps 3-20;
 the last line is `best_step_s=<the fastest schedule's median>`.
@@ -22,22 +23,24 @@ import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
-SCHEDULES = {"sync-batch": (), "sync": (), "overlap": (), "overlap-priority": ("--max-num-seqs", "8")}
+SCHEDULES = {"sync-batch": (0, ()), "sync": (0, ()), "overlap": (0, ()), "overlap K=1": (1, ()),
+             "overlap-priority": (0, ("--max-num-seqs", "8"))}
 
 
 def main():
     model, out = tiny_model(), tempfile.mkdtemp(prefix="bench-trl-")
     medians = {}
-    for mode, flags in SCHEDULES.items():
+    for name, (staleness, flags) in SCHEDULES.items():
+        mode = name.split()[0]
         proc, client = launch_server("--model", model, *flags, log_path=os.path.join(out, f"{mode}.log"))
         try:
-            cfg = train.Config(model=model, out=os.path.join(out, mode), steps=20, prompts_per_step=4, micro_batches=4,
-                               group_size=8, max_tokens=32, lr=1e-3, mode=mode)
+            cfg = train.Config(model=model, out=os.path.join(out, name.replace(" ", "-")), steps=20, prompts_per_step=4,
+                               micro_batches=4, group_size=8, max_tokens=32, lr=1e-3, mode=mode, max_staleness=staleness)
             history = train.train(cfg, client)
         finally:
             stop_server(proc)
-        medians[mode] = statistics.median(h["step_s"] for h in history[2:])
-        print(f"{mode:<17} {medians[mode]:.3f} s/step  (server flags: {' '.join(flags) or 'defaults'})", flush=True)
+        medians[name] = statistics.median(h["step_s"] for h in history[2:])
+        print(f"{name:<17} {medians[name]:.3f} s/step  (server flags: {' '.join(flags) or 'defaults'})", flush=True)
     print(f"best_step_s={min(medians.values()):.3f}")
 
 

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import train
+from client import ServerError
 
 
 def random_batch(n, seed):
@@ -121,3 +122,42 @@ def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, mo
     with torch.no_grad():  # and not the untempered ones
         untempered = train.token_logprobs(model, batch)[0][batch["mask"][0] == 1]
     assert not torch.allclose(untempered, torch.tensor(completions[0].logprobs), atol=1e-2)
+
+
+def test_with_no_stale_samples_the_loss_is_the_plain_policy_gradient():
+    g = torch.Generator().manual_seed(3)
+    logprobs, old = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
+    advantages, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
+    loss, w = train.pg_loss(logprobs, old, advantages, mask, stale=torch.zeros(4, dtype=torch.bool))
+    assert loss == -(advantages[:, None] * logprobs * mask).sum() and (w == 1).all()  # exactly, bit for bit
+
+
+def test_stale_samples_get_truncated_importance_weights():
+    logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -0.5], [-1.5, -0.5]])
+    loss, w = train.pg_loss(logprobs, old, torch.ones(2), torch.ones(2, 2), stale=torch.tensor([True, False]), is_cap=1.5)
+    assert torch.allclose(w, torch.tensor([[1.5, torch.exp(torch.tensor(-1.5)).item()], [1.0, 1.0]]))  # exp(0.5) capped at 1.5
+    loss.backward()
+    assert torch.allclose(logprobs.grad, -w)  # the weights are constants: no gradient flows through them
+
+
+def test_a_request_with_min_version_waits_for_those_weights(server, model_path, restore_weights):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    server.init_communicator(transport="gloo")
+    v0 = server.health()["version"]
+    held = server.generate(["later"], max_tokens=4, min_version=v0 + 1, is_async=True)
+    with pytest.raises(ServerError) as not_yet:
+        server.get_future(held.request_id, timeout=1)
+    assert not_yet.value.status == 408 and server.health()["in_flight"] == 0  # held before the engine, not generating
+    assert server.update_model_params(model) == v0 + 1
+    [[c]] = held.result(timeout=60)
+    assert c.version == v0 + 1 and held.timing["started"] >= held.timing["queued"]
+    server.close_communicator()
+
+
+def test_one_step_of_staleness_is_corrected_and_logged(server, model_path, tmp_path, restore_weights):
+    cfg = train.Config(model=model_path, steps=4, prompts_per_step=8, micro_batches=2, group_size=4, out=str(tmp_path),
+                       max_staleness=1)
+    history = train.train(cfg, server)  # raises if any sample is more than one version old
+    assert [h["staleness"] for h in history] == [0, 1, 1, 1]  # step 0 samples the initial push's weights
+    assert all(h["is_weight_mean"] > 0 and h["is_weight_max"] <= cfg.is_cap for h in history)
