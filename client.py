@@ -214,8 +214,7 @@ class Client:
         self.retrying = requests.Session()
         retry = Retry(total=retries, connect=retries, read=0, status=0, other=0, backoff_factor=0.5,
                       backoff_max=8, allowed_methods=None)
-        self.retrying.mount("http://", HTTPAdapter(max_retries=retry))
-        self.retrying.mount("https://", HTTPAdapter(max_retries=retry))
+        self.retrying.mount(self.base_url, HTTPAdapter(max_retries=retry))
         self.pending = set()  # ids submitted and not yet fetched
         self.group, self.transport, self.spec, self.dtype, self.buffers = None, None, None, None, [None, None]
 
@@ -265,17 +264,15 @@ class Client:
         """Completions for each prompt (a string or a list of token ids): a list per prompt of
         `n` Completion(text, token_ids, logprobs, finish_reason, version). Other keyword
         arguments are vLLM SamplingParams fields (top_p, top_k, seed, stop, ...), or min_version.
-        With is_async=True, return a RemoteFuture at once instead."""
+        With is_async=True, return a RemoteFuture at once instead.
+        With split_prompts=True, one RemoteFuture per prompt (collect them with as_completed())."""
         body = dict(prompts=list(prompts), n=n, temperature=temperature, max_tokens=max_tokens, priority=priority, **sampling)
+        if sampling.get("split_prompts"):
+            ids = self._request("POST", "/generate", body)["request_ids"]
+            self.pending.update(ids)
+            return [RemoteFuture(self, i) for i in ids]
         future = RemoteFuture(self, self._submit("/generate", body))
         return future if is_async else future.result()
-
-    def generate_each(self, prompts, n=1, temperature=1.0, max_tokens=16, **sampling):
-        """One RemoteFuture per prompt, submitted in one call; collect them with as_completed()."""
-        body = dict(prompts=list(prompts), n=n, temperature=temperature, max_tokens=max_tokens, split_prompts=True, **sampling)
-        ids = self._request("POST", "/generate", body)["request_ids"]
-        self.pending.update(ids)
-        return [RemoteFuture(self, i) for i in ids]
 
     def rollout(self, prompts, n=1, tools=None, max_turns=4, max_episode_tokens=256, temperature=1.0, max_tokens=64,
                 is_async=False, **sampling):
@@ -321,17 +318,14 @@ class Client:
                 waited += wait
                 if e.status != 408 or waited >= deadline:
                     raise
-        done = [(r["request_id"], self._parse(r, kinds[r["request_id"]]), r.get("timing")) for r in reply.get("results", [reply])]
-        self.pending.difference_update(i for i, _, _ in done)
+        done = []
+        for r in reply.get("results", [reply]):
+            kind = kinds[r["request_id"]]
+            self.pending.discard(r["request_id"])
+            result = [[Episode(**e) for e in per] for per in r["episodes"]] if kind == "rollout" else \
+                [[Completion(**c) for c in per] for per in r["completions"]] if kind == "generate" else r
+            done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
-
-    @staticmethod
-    def _parse(reply, kind):
-        if kind == "rollout":
-            return [[Episode(**e) for e in per_prompt] for per_prompt in reply["episodes"]]
-        if kind == "generate":
-            return [[Completion(**c) for c in per_prompt] for per_prompt in reply["completions"]]
-        return reply
 
     # -- weight sync (the trainer is rank 0) ----------------------------------
 

@@ -7,14 +7,13 @@ Every `Completion` carries the weight `version` that produced it. `update_weight
 gate to new requests, drains the ones in flight, loads the new weights in the workers
 (`WeightSyncWorker`, below), resets the prefix cache, bumps the version and reopens the gate,
 so no completion ever mixes two versions. `RolloutEngine` runs multi-turn tool episodes on the
-same engine; `SyncEngine` drives an engine from plain (non-async) Python code.
+same engine.
 `tiny_model()` builds the small model that tests and the demo use when nothing is downloaded.
 """
 import ast
 import asyncio
 import operator
 import os
-import threading
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -181,7 +180,7 @@ class Engine:
         version. `ready` (a future) is resolved once generation has drained and the workers are
         told to receive: the trainer may start sending. Returns the new version and the timings.
 
-        If the drain takes longer than `drain_timeout`, nothing happens (DrainTimeout). If
+        If the drain takes longer than `drain_timeout`, nothing happens (TimeoutError). If
         receiving fails, the old weights stay (workers load only after receiving everything), the
         version stays, and generation resumes. If loading fails part-way, the weights are neither
         old nor new: the engine marks itself failed (`self.error`) and refuses requests.
@@ -193,7 +192,7 @@ class Engine:
                     try:
                         await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout)
                     except asyncio.TimeoutError:
-                        raise DrainTimeout(f"{self.in_flight} prompts still generating after the drain timeout "
+                        raise TimeoutError(f"{self.in_flight} prompts still generating after the drain timeout "
                                            f"of {drain_timeout} s; nothing was sent") from None
                 if ready is not None:
                     ready.set_result(None)
@@ -219,38 +218,8 @@ class Engine:
                 raise TimeoutError(f"weights version {version} were not loaded within {timeout} s") from None
 
     async def rpc(self, method, *args, timeout=60.0):
-        """Call `method` on every worker (WeightSyncWorker) and return the first worker's answer."""
-        return (await self.rpc_all(method, *args, timeout=timeout))[0]
-
-    async def rpc_all(self, method, *args, timeout=60.0):
-        """Call `method` on every worker and return every answer, within `timeout` seconds."""
+        """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout` seconds."""
         return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
-
-
-class DrainTimeout(Exception):
-    pass
-
-
-class SyncEngine:
-    """Drive an Engine from plain Python: it lives on its own loop in a background thread."""
-
-    def __init__(self, args: AsyncEngineArgs):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.engine = self._run(Engine.start(args), timeout=600)
-
-    def _run(self, coro, timeout):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def generate(self, prompts, params: SamplingParams, priority=0, timeout=600.0):
-        return self._run(self.engine.generate(prompts, params, priority), timeout)
-
-    def shutdown(self):
-        async def stop():
-            self.engine.shutdown()
-
-        self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 # -----------------------------------------------------------------------------

@@ -11,9 +11,9 @@ Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error"
                               with split_prompts: true, one request per prompt -> 202 {request_ids}
     POST /rollout             {prompts, tools, max_turns, max_episode_tokens, call_start, call_end,
                                sampling fields} -> 202 {request_id}; multi-turn tool episodes
-    POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout,
+    POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
+                              -> the result; 408 if not ready in time (ask again, nothing is lost);
                               or {request_ids: [...]} -> {results: [...]} of those done (at least one)
-                              -> the result; 408 if not ready in time (ask again, nothing is lost)
     POST /abort               {request_id} -> stop generating it and free it
     POST /init_communicator   {transport: "nccl"|"gloo", host, world_size}: join the weight group the
                               trainer hosts at host:group_port; or {transport: "ipc", gpu}: the trainer
@@ -76,14 +76,16 @@ STATE = web.AppKey("state", State)
 METRICS = web.AppKey("metrics", dict)
 
 
-class BadRequest(web.HTTPBadRequest):
-    def __init__(self, message):
+class ApiError(web.HTTPException):
+    """Raised anywhere in a route: answers `status` with {"error": message}."""
+
+    def __init__(self, status, message):
+        self.status_code = status
         super().__init__(text=json.dumps({"error": message}), content_type="application/json")
 
 
-class TooManyRequests(web.HTTPTooManyRequests):
-    def __init__(self, message):
-        super().__init__(text=json.dumps({"error": message}), content_type="application/json")
+def BadRequest(message):  # noqa: N802 (raised like the exception classes it stands for)
+    return ApiError(400, message)
 
 
 def error(status, message):
@@ -172,7 +174,7 @@ def submit(app, body, work) -> str:
     state, key = app[STATE], args_key(body)
     if len(state.tasks) >= state.opts.max_pending:
         work.close() if asyncio.iscoroutine(work) else work.cancel()
-        raise TooManyRequests(f"{len(state.tasks)} results are waiting to be fetched (--max-pending); fetch or abort some")
+        raise ApiError(429, f"{len(state.tasks)} results are waiting to be fetched (--max-pending); fetch or abort some")
     request_id = uuid.uuid4().hex
     task = asyncio.ensure_future(work)
     state.tasks[request_id] = (task, key)
@@ -245,8 +247,7 @@ async def health(request):
 
 def check_serving(app):
     if app[ENGINE].error:
-        raise web.HTTPServiceUnavailable(text=json.dumps({"error": f"engine unusable: {app[ENGINE].error}"}),
-                                         content_type="application/json")
+        raise ApiError(503, f"engine unusable: {app[ENGINE].error}")
 
 
 async def when_ready(app, min_version, work):
@@ -268,9 +269,8 @@ async def run_generate(app, prompts, params, priority):
 
 
 def parse_min_version(body):
-    min_version = body.get("min_version", 0)
-    check_type("min_version", min_version, int)
-    return min_version
+    check_type("min_version", body.get("min_version", 0), int)
+    return body.get("min_version", 0)
 
 
 async def generate(request):
@@ -556,8 +556,8 @@ def make_app(args, opts) -> web.Application:
         state.vocab_size = engine.llm.model_config.get_vocab_size()
         state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
         state.workers = args.tensor_parallel_size * args.data_parallel_size
-        state.weight_spec = await engine.rpc("weight_spec")
-        state.gpus = await engine.rpc_all("gpu_uuid")  # the workers' GPU UUIDs (None on CPU)
+        state.weight_spec = (await engine.rpc("weight_spec"))[0]
+        state.gpus = await engine.rpc("gpu_uuid")  # the workers' GPU UUIDs (None on CPU)
         app[ROLLOUT] = RolloutEngine(engine, tool_timeout=opts.tool_timeout)
         for command in opts.mcp_server:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))

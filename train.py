@@ -1,16 +1,16 @@
 """GRPO with asynchronous rollouts: train on micro-batch i while the server generates i+1..N.
 
     python train.py                      # demo: the tiny model learns addition (a few minutes on 2 CPU cores)
-    python train.py --no-overlap         # the synchronous loop, for comparison
+    python train.py --mode sync-batch    # the synchronous loop, for comparison
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
         --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
 
 Where this departs from the GRPO paper:
-1. Each batch is used for one optimizer step, so we are exactly on-policy: no PPO ratio or clip.
+1. Each batch is used for one optimizer step: no PPO ratio or clip. With --max-staleness 0 (the
+   default) every sample comes from the weights it trains, exactly on-policy, and the loop checks
+   each sample's version; with 1, samples are one version old and weighted by truncated IS.
 2. No KL penalty and no reference model.
 3. The loss is token-level, normalised by all completion tokens of the optimizer step.
-The overlap keeps (1) true: at step s the server holds weights version s, every micro-batch of
-step s is submitted before the weights change, and the loop checks each sample's version.
 """
 import argparse
 import functools
@@ -60,10 +60,9 @@ class Config:
     # schedule
     mode: str = field(default="overlap", metadata={"help": "overlap: submit the whole step, train on micro-batches of "
                                                         "prompts in the order their groups finish; overlap-priority: N "
-                                                        "requests, finishing in order on a throttled server; sync: generate, "
-                                                        "wait, train, one micro-batch at a time; sync-batch: generate the "
-                                                        "whole step as one batch, then train",
-                                                "choices": ["overlap", "overlap-priority", "sync", "sync-batch"]})
+                                                        "requests, finishing in order on a throttled server; sync-batch: "
+                                                        "generate the whole step as one batch, then train",
+                                                "choices": ["overlap", "overlap-priority", "sync-batch"]})
     max_staleness: int = field(default=0, metadata={"help": "0: every sample comes from the weights it is trained on "
                                                             "(exactly on-policy); 1: step s+1 generates on the weights of step s "
                                                             "while step s trains, corrected by truncated importance sampling"})
@@ -91,7 +90,6 @@ def parse_config(argv=None) -> Config:
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices"))
-    p.add_argument("--no-overlap", dest="mode", action="store_const", const="sync", help="same as --mode sync")
     try:
         return Config(**vars(p.parse_args(argv)))
     except ValueError as e:
@@ -249,13 +247,11 @@ def submit(client, rows, cfg, min_version=None):
         if cfg.task == "calculator":
             return [([r], request([r["prompt"]], **sampling)) for r in rows]
         sampling.pop("is_async")
-        return list(zip([[r] for r in rows], client.generate_each([r["prompt"] for r in rows], **sampling)))
+        return list(zip([[r] for r in rows], client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling)))
     if cfg.mode == "overlap-priority":  # N requests, lower priority first, on a throttled server
         chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
         return [(c, request([r["prompt"] for r in c], priority=i, **sampling)) for i, c in enumerate(chunks)]
-    if cfg.mode == "sync-batch":  # the whole step as one request
-        return [(rows, request([r["prompt"] for r in rows], **sampling))]
-    return []  # sync: each micro-batch is requested when the trainer is ready for it
+    return [(rows, request([r["prompt"] for r in rows], **sampling))]  # sync-batch: the whole step as one request
 
 
 def collect(client, rows, submitted, cfg):
@@ -275,17 +271,11 @@ def collect(client, rows, submitted, cfg):
     elif cfg.mode == "overlap-priority":  # in submission order: the throttled server finishes them so
         for chunk, future in submitted:
             yield chunk, future.result(), [future.timing]
-    elif cfg.mode == "sync-batch":
+    else:  # sync-batch: wait for the whole step, then train on its slices
         [(_, future)] = submitted
         results = future.result()
         for i in range(N):
             yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size], [future.timing]
-    else:  # sync: generate one micro-batch, wait, train, next
-        for i in range(N):
-            chunk = rows[i * size:(i + 1) * size]
-            future = requester(client, cfg)([r["prompt"] for r in chunk], n=cfg.group_size, temperature=cfg.temperature,
-                                            max_tokens=cfg.max_tokens, is_async=True)
-            yield chunk, future.result(), [future.timing]
 
 
 # -----------------------------------------------------------------------------

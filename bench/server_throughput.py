@@ -10,19 +10,44 @@ between the sides, so drifts in the machine's load hit both alike. The median of
 per side is reported; the last line is `server_vs_engine=<server tok/s / engine tok/s>`.
 """
 import argparse
+import asyncio
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vllm import SamplingParams  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 
 from client import launch_server, stop_server  # noqa: E402
-from engine import SyncEngine, engine_args, tiny_model  # noqa: E402
+from engine import Engine, engine_args, tiny_model  # noqa: E402
+
+
+class SyncEngine:
+    """Drive an Engine from plain Python: it lives on its own loop in a background thread."""
+
+    def __init__(self, args: AsyncEngineArgs):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.engine = self._run(Engine.start(args), timeout=600)
+
+    def _run(self, coro, timeout):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def generate(self, prompts, params: SamplingParams, priority=0, timeout=600.0):
+        return self._run(self.engine.generate(prompts, params, priority), timeout)
+
+    def shutdown(self):
+        async def stop():
+            self.engine.shutdown()
+
+        self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def rate(generate):

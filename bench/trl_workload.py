@@ -5,7 +5,7 @@
 The workload: 4 prompts x 8 samples x up to 32 tokens per step, gradient accumulation 4 (one
 prompt per micro-batch), lr 1e-3, 20 steps, the untrained tiny model (temperature 1, so lengths
 vary), server and trainer sharing both cores. Each schedule runs on the server settings it needs:
-one unthrottled server (vLLM's defaults) for sync-batch, sync, overlap and overlap with
+one unthrottled server (vLLM's defaults) for sync-batch, overlap and overlap with
 --max-staleness 1 (overlap K=1), and one started with
 --max-num-seqs 8 (one micro-batch of sequences at a time) for overlap-priority. Each run first
 pushes the same initial weights. Printed per schedule: the median seconds per step of steps 3-20;
@@ -23,7 +23,7 @@ import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
-SCHEDULES = {"sync-batch": (0, ()), "sync": (0, ()), "overlap": (0, ()), "overlap K=1": (1, ()),
+SCHEDULES = {"sync-batch": (0, ()), "overlap": (0, ()), "overlap K=1": (1, ()),
              "overlap-priority": (0, ("--max-num-seqs", "8"))}
 
 
