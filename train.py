@@ -402,15 +402,15 @@ def train(cfg: Config, client: Client):
     # `with client`: if anything below raises, the requests still generating on the server are aborted
     with client, open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
         t_run = time.time()
-        rows = rng.sample(data, cfg.prompts_per_step)
-        submitted = submit(client, rows, cfg)
+        rows, submitted = rng.sample(data, cfg.prompts_per_step), None
         for step in bar:
             t_step = time.time()
-            next_rows = rng.sample(data, cfg.prompts_per_step)
-            if cfg.max_staleness == 1:  # step s+1 generates now, on these weights, while we train on step s
-                next_submitted = submit(client, next_rows, cfg)
+            next_rows, next_submitted = rng.sample(data, cfg.prompts_per_step), None
             for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost
                 try:
+                    submitted = submitted or submit(client, rows, cfg)
+                    if cfg.max_staleness == 1 and step + 1 < cfg.steps:  # step s+1 generates now, on these
+                        next_submitted = next_submitted or submit(client, next_rows, cfg)  # weights, while s trains
                     s = accumulate_step(client, model, tok, rows, submitted, cfg, version, partial)
                     break
                 except (ConnectionError, ServerError, ServerRestarted) as e:
@@ -418,9 +418,7 @@ def train(cfg: Config, client: Client):
                         raise
                     opt.zero_grad(set_to_none=True)
                     version = reconnect(client, model, cfg, e)
-                    submitted = submit(client, rows, cfg)
-                    if cfg.max_staleness == 1:
-                        next_submitted = submit(client, next_rows, cfg)
+                    submitted = next_submitted = None  # what the lost server held is gone: submit again
             # the loss normalisation: divide the summed gradient by every completion token of the step
             t0 = time.time()
             for p in model.parameters():
@@ -431,7 +429,11 @@ def train(cfg: Config, client: Client):
             opt.zero_grad(set_to_none=True)
             s["train"].append([t0, time.time()])
             if cfg.max_staleness == 0 and step + 1 < cfg.steps:  # on-policy: the server holds step s+1 until the
-                next_submitted = submit(client, next_rows, cfg, min_version=version + 1)  # push below has landed
+                try:                                                # push below has landed
+                    next_submitted = submit(client, next_rows, cfg, min_version=version + 1)
+                except (ConnectionError, ServerError) as e:
+                    if not server_lost(e):
+                        raise  # else the push below reconnects, and the next step submits again
             t_sync = time.time()
             sampled_version = version
             try:
@@ -440,7 +442,7 @@ def train(cfg: Config, client: Client):
                 if not server_lost(e):
                     raise
                 version = reconnect(client, model, cfg, e)
-            rows, submitted = next_rows, next_submitted if step + 1 < cfg.steps else None
+            rows, submitted = next_rows, next_submitted
             # the overlap measured where it happens: generation on the server, training and sync here
             gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
             train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), time.time() - t_sync, time.time() - t_step
