@@ -85,7 +85,7 @@ def broadcast(group, tensor, timeout_s, root=0):
     """Broadcast `tensor` from rank `root` and block until it has really arrived, for at most
     `timeout_s` seconds. NCCL's wait() only makes the current CUDA stream wait, which would
     hang the engine later if the peer died; so on CUDA we wait for the work itself."""
-    return finish(start_broadcast(group, tensor, root), tensor, timeout_s)
+    finish(start_broadcast(group, tensor, root), tensor, timeout_s)
 
 
 def start_broadcast(group, tensor, root=0):

@@ -185,13 +185,9 @@ def submit(app, body, work) -> str:
 
 
 def claim(app, body) -> str | None:
-    """The request a /get_future body names: by id, or the oldest unclaimed one with identical
-    arguments, which this caller then holds, so two identical requests are fetched once each."""
-    state = app[STATE]
-    if "request_id" in body:
-        check_type("request_id", body["request_id"], str)
-        return body["request_id"] if body["request_id"] in state.tasks else None
-    key = args_key(body)
+    """The oldest unclaimed request with the identical arguments, which this caller then holds,
+    so two identical requests are fetched once each."""
+    state, key = app[STATE], args_key(body)
     ids = state.by_args.get(key)
     if not ids:
         return None
@@ -332,32 +328,38 @@ async def get_future(request):
     check_type("timeout", timeout, float)
     if not 0 <= timeout <= 3600:
         raise BadRequest("'timeout' must be between 0 and 3600 seconds")
+    claimed = None  # a request held by this caller, asking by arguments
     if "request_ids" in body:  # as completed: the trainer takes groups in the order they finish
         check_list("request_ids", body["request_ids"], str)
         ids = [i for i in body["request_ids"] if i in state.tasks]
+    elif "request_id" in body:
+        check_type("request_id", body["request_id"], str)
+        ids = [body["request_id"]] if body["request_id"] in state.tasks else []
     else:
-        ids = [i for i in [claim(request.app, body)] if i is not None]
+        claimed = claim(request.app, body)
+        ids = [claimed] if claimed else []
     if not ids:
         return error(404, "no such request: unknown request_id; already fetched, aborted or expired; "
                           "or no request with these arguments")
     try:
         done, _ = await asyncio.wait([state.tasks[i][0] for i in ids], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the caller went away: a claimed request is first in line again
-        unclaim(request.app, ids[0]) if "request_ids" not in body else None
-        raise
+    finally:
+        if claimed and not (claimed in state.tasks and state.tasks[claimed][0].done()):
+            unclaim(request.app, claimed)  # timed out, or the caller went away: first in line again
     if not done:
-        if "request_ids" not in body:
-            unclaim(request.app, ids[0])
         return error(408, f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again")
-    results = []
-    for request_id in [i for i in ids if i in state.tasks and state.tasks[i][0] in done]:
+    finished = [i for i in ids if i in state.tasks and state.tasks[i][0] in done]
+    for request_id in finished:  # a failure is answered alone; the others stay to be fetched
         task = state.tasks[request_id][0]
-        forget(request.app, request_id)
-        if task.cancelled():
-            return error(404, f"request {request_id} was aborted")
-        if task.exception() is not None:  # the engine refused it (e.g. a prompt longer than max_model_len)
+        if task.cancelled() or task.exception() is not None:
+            forget(request.app, request_id)
+            if task.cancelled():
+                return error(404, f"request {request_id} was aborted")
+            # the engine refused it (e.g. a prompt longer than max_model_len)
             return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {task.exception()}")
-        results.append({"request_id": request_id, **task.result()})
+    results = [{"request_id": i, **state.tasks[i][0].result()} for i in finished]
+    for request_id in finished:
+        forget(request.app, request_id)
     if "request_ids" in body:  # every one of them that is done: fewer round trips
         return web.json_response({"results": results})
     return web.json_response(results[0])

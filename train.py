@@ -206,12 +206,6 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
 
 
-def pg_loss_sum(model, batch, advantages, temperature=1.0):
-    """pg_loss for on-policy samples only (w = 1): -sum(A * log p) over completion tokens."""
-    logprobs = token_logprobs(model, batch, temperature)
-    return pg_loss(logprobs, logprobs.detach(), advantages, batch["mask"], torch.zeros(len(advantages), dtype=torch.bool))[0]
-
-
 def sequence(row, sample, tok, partial=False):
     """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward,
     and the weight versions that produced it (an episode has one per turn)."""
@@ -330,10 +324,9 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
     """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
     each micro-batch as it lands. Returns the step's rewards, tokens, staleness and importance
     weights, and the intervals (time.time()) of generation on the server and training here."""
-    t0 = time.time()
     rewards_all, tokens, staleness, weights, gen, trained = [], 0, [], [], [], []
     for mb, samples, timings in collect(client, rows, submitted, cfg):  # samples: [prompt][G] Completion or Episode
-        t_ready = time.time()  # the trainer was idle until now
+        t_ready = time.time()  # the trainer waited for this micro-batch until now
         gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
         seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
         lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])  # (B,) how many updates old
@@ -353,8 +346,7 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
         rewards_all.append(rewards.flatten())
         staleness += lag.tolist()
         weights.append(w[(lag > 0)[:, None] & (batch["mask"] > 0)])  # the stale samples' token weights
-        t0 = time.time()
-        trained.append([t_ready, t0])
+        trained.append([t_ready, time.time()])
     return {"rewards": torch.cat(rewards_all), "tokens": tokens, "staleness": staleness, "is_weights": torch.cat(weights),
             "gen": gen, "train": trained}
 

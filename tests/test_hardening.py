@@ -219,3 +219,16 @@ def test_training_survives_a_server_restart(model_path, tmp_path):
         assert any(b < a for a, b in zip(versions, versions[1:])), versions  # a new server, and training went on
     finally:
         stop_server(proc)
+
+
+def test_a_failed_request_among_several_loses_none_of_the_others(client):
+    good = client.generate(["fine"], max_tokens=2, is_async=True)
+    bad = client.generate([[5] * 2100], max_tokens=2, is_async=True)  # longer than --max-model-len: the engine refuses it
+    time.sleep(2)  # both are done
+    statuses, fetched = [], set()
+    for _ in range(3):
+        r = post(client, "/get_future", json={"request_ids": [good.request_id, bad.request_id], "timeout": 30})
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            fetched |= {x["request_id"] for x in r.json()["results"]}
+    assert 422 in statuses and fetched == {good.request_id}  # the failure is answered, the success is not lost

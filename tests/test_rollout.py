@@ -115,7 +115,8 @@ def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model
         output.retain_grad()
         captured["logits"] = output
     model.lm_head.register_forward_hook(keep_logits)
-    train.pg_loss_sum(model, batch, torch.tensor([1.0])).backward()
+    logprobs = train.token_logprobs(model, batch)
+    train.pg_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False]))[0].backward()
     grad = captured["logits"].grad[0, :-1].abs().sum(-1)  # (T-1,) gradient reaching each position's logits
     target_mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # position t predicts token t+1
     assert (grad[~target_mask] == 0).all()

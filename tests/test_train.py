@@ -30,7 +30,9 @@ def step_gradient(model, prompts, completions, advantages, micro_batches):
     tokens, size = 0, len(prompts) // micro_batches
     for i in range(0, len(prompts), size):
         batch = train.make_batch(prompts[i:i + size], completions[i:i + size], pad_id=1)
-        train.pg_loss_sum(model, batch, advantages[i:i + size]).backward()
+        logprobs = train.token_logprobs(model, batch)
+        on_policy = torch.zeros(len(logprobs), dtype=torch.bool)
+        train.pg_loss(logprobs, logprobs.detach(), advantages[i:i + size], batch["mask"], on_policy)[0].backward()
         tokens += batch["mask"].sum()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
