@@ -3,26 +3,10 @@
     python server.py                                  # the built-in tiny model, on 127.0.0.1:8000
     python server.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --port 8000
 
-Endpoints (JSON in, JSON out; every mistake of the caller is a 4xx with {"error": message}; with
---api-key all but /health and /metrics need "Authorization: Bearer <key>"):
-    GET  /health              status, model, weight version, requests in flight, group port, GPUs;
-                              503 once a failed weight load left the engine unusable
-    POST /generate            {prompts, n, temperature, ..., priority, min_version} -> 202 {request_id}, at once;
-                              with split_prompts: true, one request per prompt -> 202 {request_ids}
-    POST /rollout             {prompts, tools, max_turns, max_episode_tokens, call_start, call_end,
-                               sampling fields} -> 202 {request_id}; multi-turn tool episodes
-    POST /get_future          {request_id, timeout} or the identical body of /generate or /rollout
-                              -> the result; 408 if not ready in time (ask again, nothing is lost);
-                              or {request_ids: [...]} -> {results: [...]} of those done (at least one)
-    POST /abort               {request_id} -> stop generating it and free it
-    POST /init_communicator   {transport: "nccl"|"gloo", host, world_size}: join the weight group the
-                              trainer hosts at host:group_port; or {transport: "ipc", gpu}: the trainer
-                              is on this server's GPU -> {dtype, params: {name: shape}}
-    POST /update_weights      {buckets: [{size, params: [{name, dtype, shape, offset}], handle (ipc)}]}
-                              -> 202 {request_id} once drained and receiving; the trainer then sends
-                              and collects {version, receive_s, load_s} with /get_future
-    POST /close_communicator  leave the weight group
-    GET  /metrics             Prometheus text
+Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
+/get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
+routes set up a transport and load versioned updates; /health and /metrics. The README's HTTP
+table lists every field. Every mistake of the caller is a 4xx with {"error": message}.
 """
 import argparse
 import asyncio

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,6 +45,8 @@ class Config:
     server_url: str = field(default="", metadata={"help": "a running server.py (default: start one on the model)"})
     device: str = field(default="cpu", metadata={"help": "trainer device: cpu (weights go over gloo), cuda (over CUDA IPC "
                                                           "if the server is on the same GPU, else NCCL)"})
+    trainer_host: str = field(default="127.0.0.1", metadata={"help": "this machine's address as the server's workers reach "
+                                                                      "it (NCCL/gloo weight sync with a server elsewhere)"})
     gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU only: the fraction of the GPU the server "
                                                                           "train.py starts may take; the trainer uses the rest"})
     out: str = field(default="runs/demo", metadata={"help": "folder for metrics.jsonl, plot.png and the checkpoint"})
@@ -57,6 +59,11 @@ class Config:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    # memory: none of these changes the gradient, only how it is computed
+    train_micro_batch: int = field(default=0, metadata={"help": "sequences per forward/backward (0: all of a rollout "
+                                                                "micro-batch at once); independent of --micro-batches"})
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for forward and backward (fp32 master weights)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
     # schedule
     mode: str = field(default="overlap", metadata={"help": "overlap: submit the whole step, train on micro-batches of "
                                                         "prompts in the order their groups finish; overlap-priority: N "
@@ -73,8 +80,8 @@ class Config:
     seed: int = field(default=0, metadata={"help": "seed for data, sampling and init"})
 
     def __post_init__(self):
-        if min(self.steps, self.micro_batches, self.max_tokens, self.max_turns) < 1:
-            raise ValueError("steps, micro_batches, max_tokens and max_turns must be >= 1")
+        if min(self.steps, self.micro_batches, self.max_tokens, self.max_turns) < 1 or self.train_micro_batch < 0:
+            raise ValueError("steps, micro_batches, max_tokens and max_turns must be >= 1, train_micro_batch >= 0")
         if self.prompts_per_step % self.micro_batches:
             raise ValueError("prompts_per_step must be divisible by micro_batches")
         if self.max_staleness not in (0, 1):
@@ -89,6 +96,9 @@ def parse_config(argv=None) -> Config:
     p = argparse.ArgumentParser(description="GRPO with asynchronous rollouts (see the module docstring).")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            continue
         p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices"))
     try:
         return Config(**vars(p.parse_args(argv)))
@@ -184,13 +194,28 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
     return batch
 
 
-def token_logprobs(model, batch, temperature=1.0):
+def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) under the model at the sampling temperature: the
-    distribution the server sampled from is softmax(logits / temperature)."""
+    distribution the server sampled from is softmax(logits / temperature).
+
+    The vocabulary-sized logits never exist for the whole batch: the final hidden states go
+    through the output layer `chunk_tokens` positions at a time, each chunk's logprob is the
+    target's logit minus the logsumexp (fp32 within the chunk), and each chunk is recomputed in
+    backward instead of kept (checkpoint). The result and its gradient are those of one big
+    log_softmax (a test checks), at a fraction of the memory: for a 150k vocabulary, 64 x 600
+    tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
     ids = batch["input_ids"].to(model.device)
-    logits = model(input_ids=ids, attention_mask=batch["attention"].to(model.device)).logits[:, :-1].float()
-    logits = logits / temperature if temperature > 0 else logits  # temperature 0 is greedy: no scaling
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1).cpu()
+    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention"].to(model.device)).last_hidden_state
+    hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)  # (B*(T-1), H), (B*(T-1),)
+    head, scale = model.get_output_embeddings(), 1 / temperature if temperature > 0 else 1.0  # 0 is greedy: no scaling
+
+    def chunk_logprobs(h, t):
+        logits = head(h).float() * scale  # (chunk, V)
+        return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
+
+    out = [checkpoint(chunk_logprobs, hidden[i:i + chunk_tokens], targets[i:i + chunk_tokens], use_reentrant=False)
+           for i in range(0, len(targets), chunk_tokens)]
+    return torch.cat(out).view(ids.shape[0], -1).cpu()
 
 
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
@@ -336,19 +361,33 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
             raise RuntimeError(f"sample versions {sorted(set((version - lag).tolist()))} at trainer version {version}: "
                                f"more than --max-staleness {cfg.max_staleness} behind")
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
-        advantages = group_advantages(rewards).flatten()  # (B,)
-        batch = make_batch([[]] * len(seqs), [seq["ids"] for seq in seqs], tok.pad_token_id, [seq["mask"] for seq in seqs],
-                           [seq["logprobs"] for seq in seqs])
-        logprobs = token_logprobs(model, batch, cfg.temperature)  # (B, T-1)
-        loss, w = pg_loss(logprobs, batch["old_logprobs"], advantages.float(), batch["mask"], lag > 0, cfg.is_cap)
-        loss.backward()  # gradients accumulate; normalised once the whole step is in
-        tokens += int(batch["mask"].sum())
+        advantages = group_advantages(rewards).flatten()  # (B,) within whole groups, before any split
+        n, w = backward(model, seqs, advantages, lag, cfg, tok.pad_token_id)
+        tokens += n
+        weights.append(w)
         rewards_all.append(rewards.flatten())
         staleness += lag.tolist()
-        weights.append(w[(lag > 0)[:, None] & (batch["mask"] > 0)])  # the stale samples' token weights
         trained.append([t_ready, time.time()])
     return {"rewards": torch.cat(rewards_all), "tokens": tokens, "staleness": staleness, "is_weights": torch.cat(weights),
             "gen": gen, "train": trained}
+
+
+def backward(model, seqs, advantages, lag, cfg, pad_id):
+    """Accumulate the policy gradient of `seqs` (advantages and lags (B,)), --train-micro-batch
+    sequences per forward/backward: any split gives the same summed gradient. Returns the number
+    of completion tokens and the stale samples' importance weights."""
+    tokens, weights, size = 0, [], cfg.train_micro_batch or len(seqs)
+    for i in range(0, len(seqs), size):
+        part, sl = seqs[i:i + size], slice(i, i + size)
+        batch = make_batch([[]] * len(part), [seq["ids"] for seq in part], pad_id, [seq["mask"] for seq in part],
+                           [seq["logprobs"] for seq in part])
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
+            logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
+        loss, w = pg_loss(logprobs, batch["old_logprobs"], advantages[sl].float(), batch["mask"], lag[sl] > 0, cfg.is_cap)
+        loss.backward()  # gradients accumulate; normalised once the whole step is in
+        tokens += int(batch["mask"].sum())
+        weights.append(w[(lag[sl] > 0)[:, None] & (batch["mask"] > 0)])
+    return tokens, torch.cat(weights)
 
 
 def server_lost(e):
@@ -365,7 +404,7 @@ def reconnect(client, model, cfg, why):
     deadline = time.monotonic() + cfg.reconnect_timeout
     while True:
         try:
-            client.init_communicator(device=cfg.device)  # its health check retries with backoff
+            client.init_communicator(host=cfg.trainer_host, device=cfg.device)  # its health check retries
             version = client.update_model_params(model)
             print(f"reconnected: the server holds our weights as version {version}", file=sys.stderr, flush=True)
             return version
@@ -381,8 +420,11 @@ def train(cfg: Config, client: Client):
     data = load_data(cfg)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
     tok = AutoTokenizer.from_pretrained(cfg.model)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()  # transformers checkpoints only in training mode; the models we train have no dropout
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    client.init_communicator(device=cfg.device)
+    client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
     seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
     if cfg.mode == "overlap-priority" and client.health()["max_num_seqs"] != seqs:
