@@ -15,6 +15,7 @@ Where this departs from the GRPO paper:
 import argparse
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -74,6 +75,11 @@ class Config:
                                                             "(exactly on-policy); 1: step s+1 generates on the weights of step s "
                                                             "while step s trains, corrected by truncated importance sampling"})
     is_cap: float = field(default=2.0, metadata={"help": "cap of the importance weights of stale samples (TIS)"})
+    # evaluation: held-out prompts (never trained on), scored with the task's reward, pass@k
+    eval_only: bool = field(default=False, metadata={"help": "evaluate the model (no training) and exit"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate every K steps while training, and at the end (0: never)"})
+    eval_prompts: int = field(default=8, metadata={"help": "held-out prompts, taken from the data and never trained on"})
+    eval_n: int = field(default=8, metadata={"help": "samples per held-out prompt: pass@k for k = 1, 2, 4, ... <= n"})
     reconnect_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for a server that restarted "
                                                                      "or went away before giving up"})
     warm_start_steps: int = field(default=100, metadata={"help": "supervised steps teaching the tiny model the answer format"})
@@ -84,6 +90,8 @@ class Config:
             raise ValueError("steps, micro_batches, max_tokens and max_turns must be >= 1, train_micro_batch >= 0")
         if self.prompts_per_step % self.micro_batches:
             raise ValueError("prompts_per_step must be divisible by micro_batches")
+        if min(self.eval_every, self.eval_prompts - 1, self.eval_n - 1) < 0:
+            raise ValueError("eval_every must be >= 0, eval_prompts and eval_n >= 1")
         if self.max_staleness not in (0, 1):
             raise ValueError("max_staleness must be 0 or 1")
         if self.group_size < 2:
@@ -127,10 +135,21 @@ def calculator_data(n, seed):
 
 
 def load_data(cfg):
+    """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
+    evaluating), and no training row has one of their prompts."""
     if not cfg.dataset:
-        return (calculator_data if cfg.task == "calculator" else addition_data)(100_000, cfg.seed)
-    with open(cfg.dataset) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        data = (calculator_data if cfg.task == "calculator" else addition_data)(100_000, cfg.seed)
+    else:
+        with open(cfg.dataset) as f:
+            data = [json.loads(line) for line in f if line.strip()]
+    if not (cfg.eval_every or cfg.eval_only):
+        return data, []
+    held_out = list({r["prompt"]: r for r in data}.values())[:cfg.eval_prompts]
+    prompts = {r["prompt"] for r in held_out}
+    data = [r for r in data if r["prompt"] not in prompts]
+    if not data and not cfg.eval_only:
+        raise ValueError(f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts")
+    return data, held_out
 
 
 def reward(completion: str, answer: str, partial=False) -> float:
@@ -298,12 +317,40 @@ def collect(client, rows, submitted, cfg):
 
 
 # -----------------------------------------------------------------------------
+# evaluation
+
+
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(client, rows, cfg):
+    """--eval-n samples per held-out row on the server's current weights, at the sampling
+    temperature; an exact answer passes. Returns pass@k for k = 1, 2, 4, ... <= n, over all rows
+    and per task (a dataset row may name its "task"): {"pass@1": ..., "addition/pass@1": ...}."""
+    n = cfg.eval_n  # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
+    sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else {"temperature": 1.0, "top_k": 1}
+    results = requester(client, cfg)([r["prompt"] for r in rows], n=n, max_tokens=cfg.max_tokens, **sampling)
+    ks = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    per_task = {}
+    for row, samples in zip(rows, results, strict=True):
+        if len(samples) != n:
+            raise RuntimeError(f"{len(samples)} samples for prompt {row['prompt']!r}, asked for {n}")
+        correct = sum(reward(s.turns[-1]["text"] if isinstance(s, Episode) else s.text, row["answer"]) == 1 for s in samples)
+        for task in ("", row.get("task", cfg.task) + "/"):
+            per_task.setdefault(task, []).append(correct)
+    return {f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for task, cs in per_task.items() for k in ks}
+
+
+# -----------------------------------------------------------------------------
 # logging
 
 
-def plot(history, path, timeline_steps=4):
+def plot(history, path, evals=(), timeline_steps=4):
     """Reward per step, the time each step spent, and a timeline of a few steps: when the server
-    generated each micro-batch and when the trainer trained on it and pushed weights."""
+    generated each micro-batch and when the trainer trained on it and pushed weights. `evals`:
+    [(step, evaluate()'s result)], drawn with the reward."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,6 +360,8 @@ def plot(history, path, timeline_steps=4):
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), gridspec_kw={"height_ratios": [3, 2, 2]})
     ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
+    for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][::2]:  # pass@1, pass@4, ...
+        ax1.plot([step for step, _ in evals], [e[k] for _, e in evals], marker="s", linestyle="--", label=f"held-out {k}")
     ax1.set_ylabel("per sample")
     ax1.legend(loc="lower right", fontsize=8)
     ax1.set_title(f"GRPO, {history[0]['mode']} rollouts, max staleness {max(h['staleness'] for h in history):.0f}")
@@ -417,7 +466,7 @@ def reconnect(client, model, cfg, why):
 def train(cfg: Config, client: Client):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    data = load_data(cfg)
+    data, held_out = load_data(cfg)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
     tok = AutoTokenizer.from_pretrained(cfg.model)
     if cfg.gradient_checkpointing:
@@ -438,6 +487,7 @@ def train(cfg: Config, client: Client):
         t_run = time.time()
         rows, submitted = rng.sample(data, cfg.prompts_per_step), None
         for step in bar:
+            evaluation = evaluate(client, held_out, cfg) if cfg.eval_every and step % cfg.eval_every == 0 else None
             t_step = time.time()
             next_rows, next_submitted = rng.sample(data, cfg.prompts_per_step), None
             for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost
@@ -492,12 +542,17 @@ def train(cfg: Config, client: Client):
                    "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(w) else 0.0,
                    "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in v]
                                  for k, v in (("gen", s["gen"]), ("train", s["train"]), ("sync", [[t_sync, t_sync + sync_s]]))}}
+            if evaluation:
+                row["eval"] = evaluation  # on the weights this step sampled from
             history.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
             bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{step_s:.2f}")
+    evals = [(h["step"], h["eval"]) for h in history if "eval" in h]
+    if cfg.eval_every:  # and on the final weights
+        evals.append((cfg.steps, final_eval(client, held_out, cfg)))
     client.close_communicator()
-    plot(history, os.path.join(cfg.out, "plot.png"))
+    plot(history, os.path.join(cfg.out, "plot.png"), evals)
     model.save_pretrained(os.path.join(cfg.out, "checkpoint"))
     tok.save_pretrained(os.path.join(cfg.out, "checkpoint"))
     first, last = history[:5], history[-5:]
@@ -508,13 +563,24 @@ def train(cfg: Config, client: Client):
     return history
 
 
+def final_eval(client, held_out, cfg):
+    """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out."""
+    result = evaluate(client, held_out, cfg)
+    print(f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples; " + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k))
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "eval.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv=None):
     cfg = parse_config(argv)
     if not cfg.model:
         cfg.model = warm_start(tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed)
     print(json.dumps(asdict(cfg)))
+    run = (lambda client: final_eval(client, load_data(cfg)[1], cfg)) if cfg.eval_only else functools.partial(train, cfg)
     if cfg.server_url:
-        return train(cfg, Client(cfg.server_url))
+        return run(Client(cfg.server_url))
     # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a time
     seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
     throttle = ("--max-num-seqs", str(seqs)) if cfg.mode == "overlap-priority" else ()
@@ -523,7 +589,7 @@ def main(argv=None):
                                  "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                                  "--seed", str(cfg.seed), log_path=os.path.join(cfg.out, "server.log"))
     try:
-        return train(cfg, client)
+        return run(client)
     finally:
         stop_server(proc)
 

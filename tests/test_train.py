@@ -218,3 +218,49 @@ def test_one_step_of_staleness_is_corrected_and_logged(server, model_path, tmp_p
     history = train.train(cfg, server)  # raises if any sample is more than one version old
     assert [h["staleness"] for h in history] == [0, 1, 1, 1]  # step 0 samples the initial push's weights
     assert all(h["is_weight_mean"] > 0 and h["is_weight_max"] <= cfg.is_cap for h in history)
+
+
+def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
+    from itertools import combinations
+
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(combinations([1] * c + [0] * (n - c), k))  # every way to pick k of the n samples
+                assert train.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets)), (n, c, k)
+
+
+def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server):
+    prompts = ["1+1=", "hello", "What is 2*3?", "x", "42"]
+    alone = [server.generate([p], n=1, temperature=0.0, max_tokens=32)[0][0] for p in prompts]  # each prompt's greedy answer
+    many = server.generate(prompts, n=16, temperature=1.0, max_tokens=32, seed=1)
+    assert [len(group) for group in many] == [16] * len(prompts)
+    assert all(c.text and c.token_ids for group in many for c in group if c.finish_reason == "length")
+    # exact grouping: greedy samples of each prompt are that prompt's own answer; each row's answer
+    # is the last number its prompt's greedy answer wrote (rows whose answer wrote none cannot pass)
+    numbers = [train.re.findall(r"-?\d+(?:\.\d+)?", c.text) for c in alone]
+    rows = [{"prompt": p, "answer": ns[-1] if ns else "no number"} for p, ns in zip(prompts, numbers)]
+    cfg = train.Config(model="m", temperature=0.0, max_tokens=32, eval_n=16)
+    result = train.evaluate(server, rows, cfg)
+    expected = sum(bool(ns) for ns in numbers) / len(rows)
+    assert expected > 0 and result["pass@1"] == pytest.approx(expected) and result["pass@16"] == pytest.approx(expected)
+    shifted = [{**row, "answer": rows[(i + 1) % len(rows)]["answer"]} for i, row in enumerate(rows)]  # someone else's answer
+    assert train.evaluate(server, shifted, cfg)["pass@16"] < expected
+
+
+@pytest.mark.parametrize("task", ["calculator", "dataset"])
+def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task):
+    args = ["--eval-only", "--server-url", server.base_url, "--model", model_path, "--eval-n", "4", "--eval-prompts", "6",
+            "--out", str(tmp_path)]
+    if task == "dataset":
+        with open(tmp_path / "data.jsonl", "w") as f:
+            for i in range(10):
+                f.write(json.dumps({"prompt": f"{i}+0=", "answer": str(i), "task": "even" if i % 2 == 0 else "odd"}) + "\n")
+        args += ["--dataset", str(tmp_path / "data.jsonl")]
+    else:
+        args += ["--task", "calculator", "--max-tokens", "8", "--max-turns", "2"]
+    result = train.main(args)
+    tasks = ["calculator"] if task == "calculator" else ["even", "odd"]
+    assert set(result) == {f"{t}pass@{k}" for t in ["", *(t + "/" for t in tasks)] for k in (1, 2, 4)}
+    assert all(0 <= v <= 1 for v in result.values()) and result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    assert json.load(open(tmp_path / "eval.json")) == result
