@@ -8,7 +8,8 @@ The workload: the calculator task's prompts (train.calculator_data), n samples e
 turn that ends with --call-end is a tool call and the episode goes on with the tool's answer
 (here mostly "error: unknown tool ...": the untrained model writes no real calls, but the turns
 end after as many tokens as a real agent's would vary, which is what decides the speed). Both
-sides run the same engine settings (engine.engine_args: CPU, eager, fp32, 256 MiB KV cache):
+sides run the same engine settings (engine.engine_args; on CPU: eager, fp32, 256 MiB KV cache;
+on a GPU: compiled, fp32, 0.4 of the GPU each):
   async:     server.py + client.rollout: each episode moves on as soon as its own turn finishes,
              and its next turn joins the engine's running batch at once.
   lock-step: vLLM's synchronous LLM.generate in this process: every turn of every live episode is
@@ -88,18 +89,20 @@ def main():
     p.add_argument("--max-episode-tokens", type=int, default=256)
     p.add_argument("--call-end", default="e", help="the text that ends a turn as a tool call")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per side, alternating")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="GPU only: each engine's share of the GPU")
     a = p.parse_args()
     rows = train.calculator_data(a.prompts, seed=0)
     prompts = [r["prompt"] for r in rows]
     model = tiny_model()
-    args = engine_args(model)
+    args = engine_args(model, gpu_memory_utilization=a.gpu_memory_utilization)
     print(f"{a.prompts} prompts x n={a.n}, up to {a.max_turns} turns of <= {a.max_tokens} tokens, call_end {a.call_end!r}; "
-          f"both engines: {args.dtype}, enforce_eager={args.enforce_eager}, kv cache {args.kv_cache_memory_bytes >> 20} MiB",
+          f"both engines: {args.dtype}, enforce_eager={args.enforce_eager}, kv cache "
+          f"{f'{args.kv_cache_memory_bytes >> 20} MiB' if args.kv_cache_memory_bytes else f'{a.gpu_memory_utilization} of the GPU'}",
           flush=True)
-    proc, client = launch_server("--model", model, log_path=os.path.join(ROOT, "runs", "eval_speed_server.log"))
+    proc, client = launch_server("--model", model, "--gpu-memory-utilization", str(a.gpu_memory_utilization), log_path=os.path.join(ROOT, "runs", "eval_speed_server.log"))
     try:
         llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=0)
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization, seed=0)
         sides = {"async": lambda: asynchronous(client, prompts, a), "lock-step": lambda: lock_step(llm, prompts, a)}
         for run in sides.values():  # warm-up
             run()
