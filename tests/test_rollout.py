@@ -111,13 +111,13 @@ def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model
     batch = train.make_batch([[]], [ep.token_ids], pad_id=1, loss_masks=[ep.loss_mask])
     captured = {}
 
-    def keep_logits(module, inputs, output):
+    def keep_hidden(module, inputs, output):  # the final hidden states: position t feeds only the logits of t
         output.retain_grad()
-        captured["logits"] = output
-    model.lm_head.register_forward_hook(keep_logits)
+        captured["hidden"] = output
+    model.model.norm.register_forward_hook(keep_hidden)
     logprobs = train.token_logprobs(model, batch)
     train.pg_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False]))[0].backward()
-    grad = captured["logits"].grad[0, :-1].abs().sum(-1)  # (T-1,) gradient reaching each position's logits
+    grad = captured["hidden"].grad[0, :-1].abs().sum(-1)  # (T-1,) gradient reaching each position's prediction
     target_mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # position t predicts token t+1
     assert (grad[~target_mask] == 0).all()
     assert (grad[target_mask] > 0).all()
