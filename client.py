@@ -47,6 +47,7 @@ class Completion:
     logprobs: list[float]  # logprob of each sampled token, same length as token_ids
     finish_reason: str | None  # "stop", "length" or "abort"
     version: int  # the weight version that produced every token of it
+    top_logprobs: list[list[dict]] | None = None  # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
 
 
 @dataclass
@@ -234,6 +235,7 @@ class Client:
         if r.status_code >= 400:
             try:
                 message = r.json()["error"]
+                message = message["message"] if isinstance(message, dict) else message  # the /v1 routes: OpenAI's shape
             except (ValueError, KeyError, TypeError):
                 message = r.text
             raise ServerError(r.status_code, message)
@@ -285,6 +287,12 @@ class Client:
             body["tools"] = list(tools)
         future = RemoteFuture(self, self._submit("/rollout", body), kind="rollout")
         return future if is_async else future.result()
+
+    def session(self, session_id):
+        """The calls an OpenAI client made with the header X-Session-ID: `session_id`: (calls, the
+        merged Episode, or None when the calls do not continue one another token for token)."""
+        reply = self._request("GET", f"/v1/sessions/{session_id}")
+        return reply["calls"], Episode(**reply["episode"]) if reply["episode"] else None
 
     def _submit(self, path, body):
         request_id = self._request("POST", path, body)["request_id"]

@@ -50,6 +50,8 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                               "<|endoftext|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     config = Qwen2Config(
         vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
@@ -165,8 +167,11 @@ class Engine:
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
+        k = params.logprobs or 0  # top-k alternatives asked for, besides each sampled token's logprob
+        top = lambda c: [[{"token": x.decoded_token, "logprob": x.logprob} for x in sorted(lp.values(), key=lambda x: x.rank)[:k]]  # noqa: E731
+                         for lp in c.logprobs] if k > 0 else None
         return [[Completion(c.text, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                            c.finish_reason, version) for c in sorted(out.outputs, key=lambda c: c.index)]
+                            c.finish_reason, version, top(c)) for c in sorted(out.outputs, key=lambda c: c.index)]
                 for out in outputs]
 
     async def _one(self, prompt, params, priority):
@@ -248,8 +253,9 @@ class RolloutEngine:
 
     A turn that ends with `call_end` is a tool call: the text since the last `call_start` is
     "NAME ARGUMENT"; the tool's output, wrapped in `result_format`, is tokenised once and appended.
-    Tools are Python functions of one string, or tools of MCP servers (add_mcp_server). A tool
-    that raises, times out or does not exist answers with an error text; the episode goes on.
+    Tools are Python functions (or coroutine functions) of one string, or tools of MCP servers
+    (add_mcp_server). A tool that raises, times out or does not exist answers with an error text;
+    the episode goes on.
     """
 
     def __init__(self, engine: Engine, tools=None, call_start="<tool>", call_end="</tool>",
@@ -283,7 +289,9 @@ class RolloutEngine:
             if allowed is not None and name not in allowed:
                 return f"error: tool '{name}' is not available"
             if name in self.tools:
-                return str(await asyncio.wait_for(asyncio.to_thread(self.tools[name], argument), self.tool_timeout))
+                tool = self.tools[name]  # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a thread
+                call = tool(argument) if asyncio.iscoroutinefunction(tool) else asyncio.to_thread(tool, argument)
+                return str(await asyncio.wait_for(call, self.tool_timeout))
             if name in self.mcp:
                 session, key = self.mcp[name]
                 result = await asyncio.wait_for(session.call_tool(name, {key: argument}), self.tool_timeout)

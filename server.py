@@ -44,6 +44,7 @@ class State:
     """What the routes share, besides the engine. `opts` are the server's flags (parse_args)."""
     opts: argparse.Namespace
     tasks: dict = field(default_factory=dict)  # request id -> (asyncio task, its arguments' key)
+    sessions: dict = field(default_factory=dict)  # X-Session-ID -> {"calls": [...], "expiry": timer}
     by_args: dict = field(default_factory=dict)  # arguments' key -> unclaimed request ids, oldest first
     transport: str | None = None  # the weight transport set up by /init_communicator, if any
     engine_died: bool = False  # the server then exits non-zero
@@ -481,6 +482,150 @@ async def metrics(request):
 
 
 # -----------------------------------------------------------------------------
+# the OpenAI-compatible face: /v1/models, /v1/completions, /v1/chat/completions, /v1/sessions/<id>.
+# Every answer carries its tokens (prompt_token_ids; per choice token_ids) and weight_version, and
+# calls sent with an X-Session-ID header are recorded, so that an agent written against the OpenAI
+# client can be trained on exactly what it sampled.
+
+OPENAI_SAMPLING = {"n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty", "frequency_penalty"}
+OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "logprobs", "top_logprobs", "stream", "user"}
+
+
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": request.app[ENGINE].args.model, "object": "model",
+                                                          "owned_by": "async-grpo"}]})
+
+
+async def openai_completion(request):
+    """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes."""
+    check_serving(request.app)
+    body, state, engine, chat = await read_json(request), request.app[STATE], request.app[ENGINE], request.path.endswith("chat/completions")
+    unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
+    if unknown:
+        raise BadRequest(f"unsupported fields {unknown}")
+    if body.get("model") != engine.args.model:
+        raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves {engine.args.model!r} (see /v1/models)")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} with string content")
+        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)  # one prompt: a string or token ids
+        prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
+    fields["max_tokens"] = body.get("max_completion_tokens", fields.get("max_tokens", 16 if not chat else max(
+        1, state.opts.max_model_len - len(prompt))))
+    logprobs = body.get("logprobs")
+    top = body.get("top_logprobs", 0) if chat else logprobs or 0  # chat: logprobs is a flag; completions: the k
+    check_type("logprobs", logprobs if logprobs is not None else (False if chat else 0), bool if chat else int)
+    check_type("top_logprobs", top, int)
+    if not 0 <= top <= 20:
+        raise BadRequest("'top_logprobs' must be between 0 and 20")
+    params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
+    stream = body.get("stream", False)
+    check_type("stream", stream, bool)
+    session = request.headers.get("X-Session-ID")
+    [completions] = await engine.generate([prompt], params)  # no awaiting between here and recording the session
+    if session:
+        record(request.app, session, prompt, completions)
+    answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)
+    if not stream:
+        return web.json_response(answer)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for choice in answer["choices"]:  # the engine hands over finished requests: one chunk per choice
+        if chat:
+            choice["delta"] = choice.pop("message")
+        chunk = {**answer, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def openai_answer(engine, chat, prompt, completions, logprobs, top):
+    decode = lambda ids: [engine.tokenizer.decode([t]) for t in ids]  # noqa: E731
+    choices = []
+    for i, c in enumerate(completions):
+        tokens, alternatives = decode(c.token_ids), c.top_logprobs or [[] for _ in c.token_ids]
+        choice = {"index": i, "finish_reason": c.finish_reason, "token_ids": c.token_ids, "weight_version": c.version}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "top_logprobs": alt} for t, lp, alt in
+                                              zip(tokens, c.logprobs, alternatives)]} if logprobs else None
+        else:
+            choice["text"] = c.text
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "text_offset": [
+                sum(map(len, tokens[:j])) for j in range(len(tokens))], "top_logprobs": [
+                {a["token"]: a["logprob"] for a in alt} for alt in alternatives]} if logprobs else None
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": engine.args.model, "choices": choices, "prompt_token_ids": prompt,
+            "weight_version": completions[0].version, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                                                                "total_tokens": len(prompt) + completion_tokens}}
+
+
+def record(app, session_id, prompt, completions):
+    """Append a call's choices to its session; the session expires --result-ttl s after its last call."""
+    state = app[STATE]
+    session = state.sessions.setdefault(session_id, {"calls": [], "expiry": None})
+    session["calls"] += [{"prompt_token_ids": prompt, "completion_token_ids": c.token_ids, "logprobs": c.logprobs,
+                          "weight_version": c.version, "text": c.text, "finish_reason": c.finish_reason} for c in completions]
+    if session["expiry"]:
+        session["expiry"].cancel()
+    session["expiry"] = asyncio.get_running_loop().call_later(state.opts.result_ttl, state.sessions.pop, session_id, None)
+
+
+def merge(calls):
+    """One episode from a session's calls, if each call's prompt continues the previous call's
+    prompt and completion token for token (else None and why): the tokens between are prompt (a
+    tool's output, the chat template's), the completions are sampled; the shape of a /rollout episode."""
+    ids, mask, logprobs, turns = [], [], [], []
+    for i, call in enumerate(calls):
+        prompt, sampled = call["prompt_token_ids"], call["completion_token_ids"]
+        if prompt[:len(ids)] != ids:
+            return None, (f"call {i}'s prompt does not continue the tokens before it (re-tokenised text, or a call with "
+                          f"n > 1): train on 'calls' instead")
+        new = prompt[len(ids):]
+        ids, mask, logprobs = ids + new + sampled, mask + [0] * len(new) + [1] * len(sampled), logprobs + [None] * len(new) + call["logprobs"]
+        turns.append({"text": call["text"], "version": call["weight_version"], "finish_reason": call["finish_reason"]})
+    return {"token_ids": ids, "loss_mask": mask, "logprobs": logprobs, "turns": turns, "tool_calls": [],
+            "finish_reason": turns[-1]["finish_reason"]}, None
+
+
+async def session(request):
+    sessions, session_id = request.app[STATE].sessions, request.match_info["session_id"]
+    if session_id not in sessions:
+        raise ApiError(404, f"no session {session_id!r} (never used, deleted or expired)")
+    if request.method == "DELETE":
+        sessions.pop(session_id)["expiry"].cancel()
+        return web.json_response({"deleted": session_id})
+    calls = sessions[session_id]["calls"]
+    episode, reason = merge(calls)
+    return web.json_response({"calls": calls, "episode": episode, "reason": reason})
+
+
+@web.middleware
+async def openai_errors(request, handler):
+    """Errors of the /v1 routes in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as e:
+        if not request.path.startswith("/v1/"):
+            raise
+        response = e
+    if request.path.startswith("/v1/") and response.status >= 400:
+        message = json.loads(response.text)["error"]
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error" if response.status < 500
+                                            else "server_error", "param": None, "code": response.status}}, status=response.status)
+    return response
+
+
+# -----------------------------------------------------------------------------
 # the app
 
 
@@ -532,7 +677,7 @@ async def watch_engine(app):
 def make_app(args, opts) -> web.Application:
     """The server for AsyncEngineArgs `args` and flags `opts` (parse_args): the engine starts with
     the app and stops with it."""
-    app = web.Application(client_max_size=opts.max_body_mb << 20, middlewares=[json_errors, check_key])
+    app = web.Application(client_max_size=opts.max_body_mb << 20, middlewares=[openai_errors, json_errors, check_key])
     app[STATE] = state = State(opts)
     app[METRICS] = make_metrics()
 
@@ -565,6 +710,11 @@ def make_app(args, opts) -> web.Application:
     app.router.add_post("/update_weights", update_weights)
     app.router.add_post("/close_communicator", close_communicator)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", openai_completion)
+    app.router.add_post("/v1/chat/completions", openai_completion)
+    app.router.add_route("GET", "/v1/sessions/{session_id}", session)
+    app.router.add_route("DELETE", "/v1/sessions/{session_id}", session)
     return app
 
 
