@@ -111,6 +111,14 @@ def check_encodable(params: SamplingParams):
     MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
 
 
+def top_k(logprobs, k):
+    """With sampling `logprobs` k > 0: per position, the k likeliest tokens as [{token, logprob}]."""
+    if not k:
+        return None
+    return [[{"token": x.decoded_token, "logprob": x.logprob} for x in sorted(lp.values(), key=lambda x: x.rank)[:k]]
+            for lp in logprobs]
+
+
 def as_prompt(prompt):
     return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
 
@@ -167,12 +175,9 @@ class Engine:
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
-        k = params.logprobs or 0  # top-k alternatives asked for, besides each sampled token's logprob
-        top = lambda c: [[{"token": x.decoded_token, "logprob": x.logprob} for x in sorted(lp.values(), key=lambda x: x.rank)[:k]]  # noqa: E731
-                         for lp in c.logprobs] if k > 0 else None
         return [[Completion(c.text, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                            c.finish_reason, version, top(c)) for c in sorted(out.outputs, key=lambda c: c.index)]
-                for out in outputs]
+                            c.finish_reason, version, top_k(c.logprobs, params.logprobs))
+                 for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     async def _one(self, prompt, params, priority):
         final = None
