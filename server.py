@@ -528,7 +528,11 @@ async def openai_completion(request):
     stream = body.get("stream", False)
     check_type("stream", stream, bool)
     session = request.headers.get("X-Session-ID")
+    if session and session not in state.sessions and len(state.sessions) >= state.opts.max_pending:
+        raise ApiError(429, f"{len(state.sessions)} sessions are open (--max-pending); delete some")
     [completions] = await engine.generate([prompt], params)  # no awaiting between here and recording the session
+    request.app[METRICS]["requests"].inc()
+    request.app[METRICS]["tokens"].inc(sum(len(c.token_ids) for c in completions))
     if session:
         record(request.app, session, prompt, completions)
     answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)

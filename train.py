@@ -487,7 +487,13 @@ def train(cfg: Config, client: Client):
         t_run = time.time()
         rows, submitted = rng.sample(data, cfg.prompts_per_step), None
         for step in bar:
-            evaluation = evaluate(client, held_out, cfg) if cfg.eval_every and step % cfg.eval_every == 0 else None
+            evaluation = None
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                try:
+                    evaluation = evaluate(client, held_out, cfg)
+                except (ConnectionError, ServerError) as e:
+                    if not server_lost(e):
+                        raise  # else this step finds the server lost, reconnects and goes on, without this evaluation
             t_step = time.time()
             next_rows, next_submitted = rng.sample(data, cfg.prompts_per_step), None
             for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost

@@ -164,6 +164,22 @@ def test_beyond_max_pending_is_a_429(strict):
     assert client.generate(["room again"], max_tokens=2)[0][0].finish_reason == "length"
 
 
+def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
+    _, client, _ = strict
+    model = client.health()["model"]
+
+    def call(session_id, key="secret"):
+        return requests.post(client.base_url + "/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 1},
+                             headers={"Authorization": f"Bearer {key}", "X-Session-ID": session_id}, timeout=60)
+    assert call("s0", key="wrong").status_code == 401
+    assert [call(f"s{i}").status_code for i in range(4)] == [200] * 4
+    full = call("s4")  # --max-pending 4: no fifth session, and nothing is generated for it
+    assert full.status_code == 429 and "sessions" in full.json()["error"]["message"]
+    assert call("s0").status_code == 200  # an open session goes on
+    time.sleep(2.5)  # --result-ttl 2: sessions unused for 2 s expire
+    assert call("s4").status_code == 200
+
+
 def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, model_path):
     _, client, _ = strict
     from transformers import AutoModelForCausalLM
