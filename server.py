@@ -510,7 +510,10 @@ async def openai_completion(request):
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
             raise BadRequest("'messages' must be a non-empty list of {role, content} with string content")
-        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # no template, or one that refuses these roles
+            raise BadRequest(f"the model's chat template cannot render these messages: {e}") from None
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)  # one prompt: a string or token ids
@@ -530,10 +533,13 @@ async def openai_completion(request):
     session = request.headers.get("X-Session-ID")
     if session and session not in state.sessions and len(state.sessions) >= state.opts.max_pending:
         raise ApiError(429, f"{len(state.sessions)} sessions are open (--max-pending); delete some")
-    [completions] = await engine.generate([prompt], params)  # no awaiting between here and recording the session
+    try:
+        [completions] = await engine.generate([prompt], params)
+    except Exception as e:  # the engine refused it (e.g. a prompt longer than --max-model-len)
+        raise ApiError(503 if engine.error else 400, f"the engine refused the request: {e}") from None
     request.app[METRICS]["requests"].inc()
     request.app[METRICS]["tokens"].inc(sum(len(c.token_ids) for c in completions))
-    if session:
+    if session:  # a session's calls are recorded in the order they finish
         record(request.app, session, prompt, completions)
     answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)
     if not stream:

@@ -57,6 +57,9 @@ def test_mistakes_are_4xx_in_openai_shape_and_the_server_keeps_serving(oa, model
         assert e.value.body["message"] and e.value.status_code == 400, bad
     with pytest.raises(openai.BadRequestError):
         oa.chat.completions.create(model=model_name, messages=[{"role": "user"}])  # no content
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model=model_name, prompt="x" * 3000, max_tokens=2)  # longer than --max-model-len
+    assert "refused" in e.value.body["message"]
     assert oa.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
 
 
