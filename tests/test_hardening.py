@@ -61,6 +61,31 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_still_generates(client):
     assert len(c.token_ids) == 8
 
 
+OPENAI_FIELDS = ["model", "prompt", "messages", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
+                 "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "bogus"]
+
+
+def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
+    rng, statuses = random.Random(1), {}
+    model = client.health()["model"]
+    junk = JUNK + [[{"role": "user"}], [{"role": 1, "content": "a"}], [{"role": "user", "content": ["a"]}]]
+    for path, valid in (("/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2}),
+                        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2})):
+        for _ in range(80):
+            body = dict(valid) if rng.random() < 0.7 else {}
+            for name in rng.sample(OPENAI_FIELDS, rng.randint(1, 3)):
+                body[name] = rng.choice(junk)
+            r = post(client, path, data=json.dumps(body).encode())
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (path, body, r.text[:300])
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    print(f"openai fuzz: 160 bodies, statuses {dict(sorted(statuses.items()))}")
+    assert statuses.get(400, 0) > 50
+    [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)
+    assert len(c.token_ids) == 8
+
+
 @pytest.mark.parametrize("body,word", [
     ({"prompts": ["a"], "stop": [5], "include_stop_str_in_output": True}, "stop"),  # once killed vLLM's input thread
     ({"prompts": ["a"], "stop_token_ids": ["x"]}, "stop_token_ids"),
