@@ -26,6 +26,20 @@ GPU_FLAGS = ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1
     if torch.cuda.is_available() else ()
 
 
+def position_gradients(model, backward):
+    """(T-1,) the gradient reaching each position's final hidden state of a one-sequence batch
+    after `backward()`: position t feeds only the logits that predict token t+1."""
+    captured = {}
+
+    def keep_hidden(module, inputs, output):
+        output.retain_grad()
+        captured["hidden"] = output
+    hook = model.model.norm.register_forward_hook(keep_hidden)
+    backward()
+    hook.remove()
+    return captured["hidden"].grad[0, :-1].abs().sum(-1)
+
+
 @pytest.fixture(scope="session")
 def model_path():
     return tiny_model()

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
 from client import ServerError
+from conftest import position_gradients
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +82,8 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
     # one GRPO-style step on it: gradient reaches exactly the positions that predict sampled tokens
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     seq = train.sequence({"answer": "3"}, episode, tok=None)
-    captured = {}
-
-    def keep_hidden(module, inputs, output):  # the final hidden states: position t feeds only the logits of t
-        output.retain_grad()
-        captured["hidden"] = output
-    model.model.norm.register_forward_hook(keep_hidden)
-    cfg = train.Config(model="m")
-    train.backward(model, [seq], torch.tensor([1.0]), torch.zeros(1, dtype=torch.long), cfg, pad_id=1)
-    grad = captured["hidden"].grad[0, :-1].abs().sum(-1)
+    grad = position_gradients(model, lambda: train.backward(model, [seq], torch.tensor([1.0]), torch.zeros(1, dtype=torch.long),
+                                                            train.Config(model="m"), pad_id=1))
     predicts_sampled = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
     assert (grad[~predicts_sampled] == 0).all() and (grad[predicts_sampled] > 0).all()
     server._request("DELETE", "/v1/sessions/agent-1")

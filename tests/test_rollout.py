@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from conftest import needs_mcp
+from conftest import needs_mcp, position_gradients
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +109,11 @@ def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model
     ep = greedy_rollout(client, "<tool>calc 4+4", max_turns=3)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     batch = train.make_batch([[]], [ep.token_ids], pad_id=1, loss_masks=[ep.loss_mask])
-    captured = {}
 
-    def keep_hidden(module, inputs, output):  # the final hidden states: position t feeds only the logits of t
-        output.retain_grad()
-        captured["hidden"] = output
-    model.model.norm.register_forward_hook(keep_hidden)
-    logprobs = train.token_logprobs(model, batch)
-    train.pg_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False]))[0].backward()
-    grad = captured["hidden"].grad[0, :-1].abs().sum(-1)  # (T-1,) gradient reaching each position's prediction
+    def backward():
+        logprobs = train.token_logprobs(model, batch)
+        train.pg_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False]))[0].backward()
+    grad = position_gradients(model, backward)
     target_mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # position t predicts token t+1
     assert (grad[~target_mask] == 0).all()
     assert (grad[target_mask] > 0).all()
