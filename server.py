@@ -241,11 +241,16 @@ async def when_ready(app, min_version, work):
     return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}
 
 
-async def run_generate(app, prompts, params, priority):
-    metrics = app[METRICS]
+async def counted_generate(app, prompts, params, priority=0):
+    """engine.generate, counted in /metrics."""
     results = await app[ENGINE].generate(prompts, params, priority)
-    metrics["requests"].inc()
-    metrics["tokens"].inc(sum(len(c.token_ids) for r in results for c in r))
+    app[METRICS]["requests"].inc()
+    app[METRICS]["tokens"].inc(sum(len(c.token_ids) for r in results for c in r))
+    return results
+
+
+async def run_generate(app, prompts, params, priority):
+    results = await counted_generate(app, prompts, params, priority)
     return {"completions": [[vars(c) for c in r] for r in results]}  # vars: asdict deep-copies, 20x slower
 
 
@@ -534,11 +539,9 @@ async def openai_completion(request):
     if session and session not in state.sessions and len(state.sessions) >= state.opts.max_pending:
         raise ApiError(429, f"{len(state.sessions)} sessions are open (--max-pending); delete some")
     try:
-        [completions] = await engine.generate([prompt], params)
+        [completions] = await counted_generate(request.app, [prompt], params)
     except Exception as e:  # the engine refused it (e.g. a prompt longer than --max-model-len)
         raise ApiError(503 if engine.error else 400, f"the engine refused the request: {e}") from None
-    request.app[METRICS]["requests"].inc()
-    request.app[METRICS]["tokens"].inc(sum(len(c.token_ids) for c in completions))
     if session:  # a session's calls are recorded in the order they finish
         record(request.app, session, prompt, completions)
     answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)
