@@ -99,6 +99,11 @@ class Config:
         if self.dataset and not os.path.exists(self.dataset):
             raise ValueError(f"no dataset file {self.dataset}")
 
+    @property
+    def micro_batch_seqs(self):
+        """Sequences in one rollout micro-batch: what overlap-priority admits at a time."""
+        return self.prompts_per_step // self.micro_batches * self.group_size
+
 
 def parse_config(argv=None) -> Config:
     p = argparse.ArgumentParser(description="GRPO with asynchronous rollouts (see the module docstring).")
@@ -439,6 +444,13 @@ def backward(model, seqs, advantages, lag, cfg, pad_id):
     return tokens, torch.cat(weights)
 
 
+def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
+    """The best speed-up over generating and then training, for these times: on-policy, the
+    overlap hides all but one of N micro-batches of the shorter phase; one step stale, all of it."""
+    hidden = 0 if max_staleness else min(gen_s, train_s) / N
+    return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
+
+
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
     our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
@@ -475,10 +487,10 @@ def train(cfg: Config, client: Client):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
-    seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
-    if cfg.mode == "overlap-priority" and client.health()["max_num_seqs"] != seqs:
+    seqs = cfg.micro_batch_seqs
+    if cfg.mode == "overlap-priority" and (decoded := client.health()["max_num_seqs"]) != seqs:
         print(f"warning: overlap-priority wants a server started with --max-num-seqs {seqs} (one micro-batch at a "
-              f"time); this one decodes {client.health()['max_num_seqs']} at once, so micro-batches may not finish in order")
+              f"time); this one decodes {decoded} at once, so micro-batches may not finish in order")
     os.makedirs(cfg.out, exist_ok=True)
     history = []
     partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
@@ -536,9 +548,7 @@ def train(cfg: Config, client: Client):
             # the overlap measured where it happens: generation on the server, training and sync here
             gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
             train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), time.time() - t_sync, time.time() - t_step
-            w, N = s["is_weights"], cfg.micro_batches
-            bound = ((gen_s + train_s + sync_s) / (max(gen_s, train_s) + sync_s) if cfg.max_staleness else
-                     (gen_s + train_s + sync_s) / (max(gen_s, train_s) + min(gen_s, train_s) / N + sync_s))
+            w, bound = s["is_weights"], overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness)
             rewards = s["rewards"]
             row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
                    "version": sampled_version, "mode": cfg.mode, "grad_norm": grad_norm.item(), "tokens": s["tokens"],
@@ -588,8 +598,7 @@ def main(argv=None):
     if cfg.server_url:
         return run(Client(cfg.server_url))
     # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a time
-    seqs = cfg.prompts_per_step // cfg.micro_batches * cfg.group_size
-    throttle = ("--max-num-seqs", str(seqs)) if cfg.mode == "overlap-priority" else ()
+    throttle = ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.mode == "overlap-priority" else ()
     os.makedirs(cfg.out, exist_ok=True)
     proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, *throttle,
                                  "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),

@@ -77,8 +77,9 @@ def lock_step(llm, tools, prompts, a):
             return await asyncio.gather(*(call for _, call in calls))
         live = []
         for (e, _), result in zip(calls, asyncio.run(all_calls()) if calls else []):
-            out_ids = tok.encode(RESULT.format(result), add_special_tokens=False)
-            e["ids"], e["text"], e["budget"] = e["ids"] + out_ids, e["text"] + RESULT.format(result), e["budget"] - len(out_ids)
+            output = RESULT.format(result)
+            out_ids = tok.encode(output, add_special_tokens=False)
+            e["ids"], e["text"], e["budget"] = e["ids"] + out_ids, e["text"] + output, e["budget"] - len(out_ids)
             if e["budget"] > 0:
                 live.append(e)
         if not live:

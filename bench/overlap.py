@@ -49,11 +49,6 @@ def medians(history, warmup):
     return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
 
 
-def bound(m, N):
-    G, T, S = m["G"], m["T"], m["S"]
-    return (G + T + S) / (max(G, T) + min(G, T) / N + S)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per mode")
@@ -72,7 +67,8 @@ def main():
     torch.set_num_threads(1)
     model = tiny_model(path=f"{TINY_MODEL_DIR}-h{args.hidden_size}-l{args.num_layers}",
                        hidden_size=args.hidden_size, num_layers=args.num_layers)
-    seqs = args.prompts_per_step // args.micro_batches * args.group_size  # overlap-priority: one micro-batch at a time
+    seqs = train.Config(model=model, prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
+                        group_size=args.group_size).micro_batch_seqs  # overlap-priority: one micro-batch at a time
     runs = {"sync-batch": ("sync-batch", 0, ()), "overlap": ("overlap", 0, ()), "overlap K=1": ("overlap", 1, ()),
             "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs)))}
     os.makedirs(args.out, exist_ok=True)
@@ -103,9 +99,10 @@ def main():
         print(f"{name:<17} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")) + f" {m['tokens']:7.0f}")
     base = results["sync-batch"]
     G, T, S = base["G"], base["T"], base["S"]
-    x, b = base["step"] / results["overlap"]["step"], bound(base, N)
+    x, b = base["step"] / results["overlap"]["step"], train.overlap_bound(G, T, S, N, max_staleness=0)
     print(f"overlap_speedup={x:.3f} bound={b:.3f} efficiency={x / b:.3f}")
-    print(f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} stale_bound={(G + T + S) / (max(G, T) + S):.3f}")
+    print(f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
+          f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}")
     print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
 
 
