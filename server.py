@@ -43,9 +43,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class State:
     """What the routes share, besides the engine. `opts` are the server's flags (parse_args)."""
     opts: argparse.Namespace
-    tasks: dict = field(default_factory=dict)  # request id -> (asyncio task, its arguments' key)
+    tasks: dict = field(default_factory=dict)  # request id -> (asyncio task, its arguments' key), oldest first
+    claimed: set = field(default_factory=set)  # ids held by a caller who asked by arguments
     sessions: dict = field(default_factory=dict)  # X-Session-ID -> {"calls": [...], "expiry": timer}
-    by_args: dict = field(default_factory=dict)  # arguments' key -> unclaimed request ids, oldest first
     transport: str | None = None  # the weight transport set up by /init_communicator, if any
     engine_died: bool = False  # the server then exits non-zero
     vocab_size: int = 0  # the rest is read from the engine at start
@@ -104,6 +104,15 @@ def check_list(name, value, kind):
         raise BadRequest(f"'{name}' must be a list of {kind.__name__}")
 
 
+def get(body, name, kind, default=None, low=None, high=None, flag=""):
+    """body[name] (or `default`), checked to be a `kind` (and within [low, high]), or BadRequest."""
+    value = body.get(name, default)
+    check_type(name, value, kind)
+    if low is not None and not low <= value <= high:
+        raise BadRequest(f"'{name}' must be between {low} and {high}{flag}")
+    return value
+
+
 def parse_prompts(body, state) -> list:
     prompts, vocab_size = body.get("prompts"), state.vocab_size
     if not isinstance(prompts, list) or not prompts:
@@ -128,11 +137,8 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
         if k == "stop" and isinstance(v, str):
             continue  # vLLM takes one stop string or a list of them
         check_list(k, v, str if k == "stop" else int) if SAMPLING_FIELDS[k] is list else check_type(k, v, SAMPLING_FIELDS[k])
-    opts, n, max_tokens = state.opts, fields.get("n", 1), fields.get("max_tokens", 16)
-    if not 1 <= n <= opts.max_n:
-        raise BadRequest(f"'n' must be between 1 and {opts.max_n} (--max-n)")
-    if not 1 <= max_tokens <= opts.max_model_len:
-        raise BadRequest(f"'max_tokens' must be between 1 and {opts.max_model_len} (--max-model-len)")
+    opts, n = state.opts, get(fields, "n", int, 1, 1, state.opts.max_n, " (--max-n)")
+    get(fields, "max_tokens", int, 16, 1, opts.max_model_len, " (--max-model-len)")
     sequences = n * len(body.get("prompts") or [])
     if sequences > opts.max_request_seqs:
         raise BadRequest(f"{sequences} sequences (prompts x n) in one request; at most {opts.max_request_seqs} (--max-request-seqs)")
@@ -150,58 +156,37 @@ def args_key(body) -> str:
 
 
 # -----------------------------------------------------------------------------
-# the futures table: request id -> (task, its arguments' key); key -> unclaimed ids, oldest first
+# the futures table: request id -> (task, its arguments' key), oldest first
 
 
 def submit(app, body, work) -> str:
-    """Start `work` (a coroutine or task) and index it by a new id and by its arguments. Once it
-    is done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
-    state, key = app[STATE], args_key(body)
+    """Start `work` (a coroutine or task) under a new id, remembering its arguments. Once it is
+    done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
+    state = app[STATE]
     if len(state.tasks) >= state.opts.max_pending:
         work.close() if asyncio.iscoroutine(work) else work.cancel()
         raise ApiError(429, f"{len(state.tasks)} results are waiting to be fetched (--max-pending); fetch or abort some")
-    request_id = uuid.uuid4().hex
-    task = asyncio.ensure_future(work)
-    state.tasks[request_id] = (task, key)
-    state.by_args.setdefault(key, deque()).append(request_id)
+    request_id, task = uuid.uuid4().hex, asyncio.ensure_future(work)
+    state.tasks[request_id] = (task, args_key(body))
     loop = asyncio.get_running_loop()
     task.add_done_callback(lambda _: loop.call_later(state.opts.result_ttl, expire, app, request_id))
     return request_id
 
 
 def claim(app, body) -> str | None:
-    """The oldest unclaimed request with the identical arguments, which this caller then holds,
-    so two identical requests are fetched once each."""
+    """The oldest request with the identical arguments that no other caller holds; this caller
+    then holds it until it is fetched (or gives it back), so identical requests are fetched once each."""
     state, key = app[STATE], args_key(body)
-    ids = state.by_args.get(key)
-    if not ids:
-        return None
-    request_id = ids.popleft()
-    if not ids:
-        del state.by_args[key]
+    request_id = next((i for i, (_, k) in state.tasks.items() if k == key and i not in state.claimed), None)
+    if request_id:
+        state.claimed.add(request_id)
     return request_id
 
 
-def unclaim(app, request_id):
-    """Give a claimed request back (its caller timed out), first in line again."""
-    state = app[STATE]
-    if request_id in state.tasks:
-        key = state.tasks[request_id][1]
-        if request_id not in state.by_args.setdefault(key, deque()):
-            state.by_args[key].appendleft(request_id)
-
-
 def forget(app, request_id):
-    """Drop a request from both indexes (fetched, aborted or expired)."""
-    state = app[STATE]
-    if request_id not in state.tasks:
-        return  # a concurrent get_future freed it already
-    _, key = state.tasks.pop(request_id)
-    ids = state.by_args.get(key, ())
-    if request_id in ids:
-        ids.remove(request_id)
-    if not ids:
-        state.by_args.pop(key, None)
+    """Drop a request (fetched, aborted or expired)."""
+    app[STATE].tasks.pop(request_id, None)
+    app[STATE].claimed.discard(request_id)
 
 
 def expire(app, request_id):
@@ -254,25 +239,17 @@ async def run_generate(app, prompts, params, priority):
     return {"completions": [[vars(c) for c in r] for r in results]}  # vars: asdict deep-copies, 20x slower
 
 
-def parse_min_version(body):
-    check_type("min_version", body.get("min_version", 0), int)
-    return body.get("min_version", 0)
-
-
 async def generate(request):
     check_serving(request.app)
-    body, state = await read_json(request), request.app[STATE]
-    prompts, params = parse_prompts(body, state), parse_sampling(body, state, extra=("min_version", "split_prompts"))
-    check_type("split_prompts", body.get("split_prompts", False), bool)
-    priority, min_version = body.get("priority", 0), parse_min_version(body)
-    check_type("priority", priority, int)
-    if body.get("split_prompts", False) is not True:
-        work = when_ready(request.app, min_version, lambda: run_generate(request.app, prompts, params, priority))
-        return web.json_response({"request_id": submit(request.app, body, work)}, status=202)
+    app, body = request.app, await read_json(request)
+    prompts, params = parse_prompts(body, app[STATE]), parse_sampling(body, app[STATE], extra=("min_version", "split_prompts"))
+    priority, min_version = get(body, "priority", int, 0), get(body, "min_version", int, 0)
+    if not get(body, "split_prompts", bool, False):
+        work = when_ready(app, min_version, lambda: run_generate(app, prompts, params, priority))
+        return web.json_response({"request_id": submit(app, body, work)}, status=202)
     # one request per prompt, in one call: each can be collected as soon as its own prompt is done
-    ids = [submit(request.app, {**body, "prompts": [p], "split_prompts": False},
-                  when_ready(request.app, min_version, lambda p=p: run_generate(request.app, [p], params, priority)))
-           for p in prompts]
+    ids = [submit(app, {**body, "prompts": [p], "split_prompts": False},
+                  when_ready(app, min_version, lambda p=p: run_generate(app, [p], params, priority))) for p in prompts]
     return web.json_response({"request_ids": ids}, status=202)
 
 
@@ -285,46 +262,33 @@ async def run_rollout(app, prompts, params, *options):
 
 async def rollout(request):
     check_serving(request.app)
-    body, state = await read_json(request), request.app[STATE]
-    prompts = parse_prompts(body, state)
+    app, body = request.app, await read_json(request)
+    prompts, state = parse_prompts(body, app[STATE]), app[STATE]
     params = parse_sampling(body, state, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version"))
-    min_version = parse_min_version(body)
-    max_turns, budget, tools = body.get("max_turns", 4), body.get("max_episode_tokens", 256), body.get("tools")
-    for name, value, most in (("max_turns", max_turns, 100), ("max_episode_tokens", budget, state.opts.max_model_len)):
-        check_type(name, value, int)
-        if not 1 <= value <= most:
-            raise BadRequest(f"'{name}' must be between 1 and {most}")
-    known = request.app[ROLLOUT].tool_names
+    min_version, max_turns = get(body, "min_version", int, 0), get(body, "max_turns", int, 4, 1, 100)
+    budget, tools = get(body, "max_episode_tokens", int, 256, 1, state.opts.max_model_len), body.get("tools")
     if tools is not None:
         check_list("tools", tools, str)
-        if not set(tools) <= set(known):
-            raise BadRequest(f"'tools' must be a list of registered tool names: {known}")
-    call_start, call_end = body.get("call_start"), body.get("call_end")  # None: the RolloutEngine's tags
-    for name, value in (("call_start", call_start), ("call_end", call_end)):
-        if value is not None:
-            check_type(name, value, str)
-            if not value:
-                raise BadRequest(f"'{name}' must be a non-empty string")
-    work = when_ready(request.app, min_version,
-                      lambda: run_rollout(request.app, prompts, params, max_turns, budget, tools, call_start, call_end))
-    return web.json_response({"request_id": submit(request.app, body, work)}, status=202)
+        if not set(tools) <= set(app[ROLLOUT].tool_names):
+            raise BadRequest(f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}")
+    tags = [get(body, n, str) if body.get(n) is not None else None for n in ("call_start", "call_end")]  # None: the defaults
+    if "" in tags:
+        raise BadRequest("'call_start' and 'call_end' must be non-empty strings")
+    work = when_ready(app, min_version, lambda: run_rollout(app, prompts, params, max_turns, budget, tools, *tags))
+    return web.json_response({"request_id": submit(app, body, work)}, status=202)
 
 
 async def get_future(request):
     """The result of `request_id`, or of the oldest request with the identical arguments, or
     {"results": [...]} of all of `request_ids` that are done once one is; waiting at most `timeout` s."""
     body, state = await read_json(request), request.app[STATE]
-    timeout = body.get("timeout", 60)
-    check_type("timeout", timeout, float)
-    if not 0 <= timeout <= 3600:
-        raise BadRequest("'timeout' must be between 0 and 3600 seconds")
+    timeout = get(body, "timeout", float, 60, 0, 3600, " seconds")
     claimed = None  # a request held by this caller, asking by arguments
     if "request_ids" in body:  # as completed: the trainer takes groups in the order they finish
         check_list("request_ids", body["request_ids"], str)
         ids = [i for i in body["request_ids"] if i in state.tasks]
     elif "request_id" in body:
-        check_type("request_id", body["request_id"], str)
-        ids = [body["request_id"]] if body["request_id"] in state.tasks else []
+        ids = [i for i in [get(body, "request_id", str)] if i in state.tasks]
     else:
         claimed = claim(request.app, body)
         ids = [claimed] if claimed else []
@@ -335,7 +299,7 @@ async def get_future(request):
         done, _ = await asyncio.wait([state.tasks[i][0] for i in ids], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if claimed and not (claimed in state.tasks and state.tasks[claimed][0].done()):
-            unclaim(request.app, claimed)  # timed out, or the caller went away: first in line again
+            state.claimed.discard(claimed)  # timed out, or the caller went away: the next caller may claim it
     if not done:
         return error(408, f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again")
     finished = [i for i in ids if i in state.tasks and state.tasks[i][0] in done]
@@ -358,8 +322,7 @@ async def get_future(request):
 async def abort(request):
     """Cancel a request (its prompts stop generating) and free it."""
     body = await read_json(request)
-    check_type("request_id", body.get("request_id"), str)
-    request_id = body["request_id"]
+    request_id = get(body, "request_id", str)
     if request_id not in request.app[STATE].tasks:
         return error(404, f"no such request {request_id}")
     request.app[STATE].tasks[request_id][0].cancel()
@@ -372,27 +335,25 @@ async def init_communicator(request):
     nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    transport, timeout, workers = body.get("transport", "gloo"), state.opts.weight_sync_timeout, state.workers
+    transport, weight_sync_timeout, workers = body.get("transport", "gloo"), state.opts.weight_sync_timeout, state.workers
     if not isinstance(transport, str) or transport not in TRANSPORTS:
         raise BadRequest(f"'transport' must be one of {list(TRANSPORTS)}")
     if transport != "gloo" and not any(state.gpus):
         raise BadRequest(f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo")
     if transport == "ipc":
-        check_type("gpu", body.get("gpu"), str)
+        get(body, "gpu", str)
         if workers != 1:
             raise BadRequest(f"ipc needs a server on one GPU; this one has {workers} workers: use nccl")
         if body["gpu"] not in state.gpus:
             raise BadRequest(f"ipc needs the trainer on the server's GPU {state.gpus[0]}; the trainer's is {body['gpu']}")
         host, world_size = None, None
     else:
-        host, world_size = body.get("host"), body.get("world_size")
-        check_type("host", host, str)
-        check_type("world_size", world_size, int)
+        host, world_size = get(body, "host", str), get(body, "world_size", int)
         if world_size != 1 + workers:
             raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
     try:
-        await engine.rpc("init_communicator", transport, host, state.opts.group_port, world_size, timeout, body.get("gpu"),
-                         timeout=timeout + 10)
+        await engine.rpc("init_communicator", transport, host, state.opts.group_port, world_size, weight_sync_timeout,
+                         body.get("gpu"), timeout=weight_sync_timeout + 10)
     except Exception as e:
         return error(504, f"could not set up {transport} weight sync (group at {host}:{state.opts.group_port}): {e!r}")
     state.transport = transport
@@ -526,15 +487,11 @@ async def openai_completion(request):
     fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
     fields["max_tokens"] = body.get("max_completion_tokens", fields.get("max_tokens", 16 if not chat else max(
         1, state.opts.max_model_len - len(prompt))))
-    logprobs = body.get("logprobs")
-    top = body.get("top_logprobs", 0) if chat else logprobs or 0  # chat: logprobs is a flag; completions: the k
-    check_type("logprobs", logprobs if logprobs is not None else (False if chat else 0), bool if chat else int)
-    check_type("top_logprobs", top, int)
-    if not 0 <= top <= 20:
-        raise BadRequest("'top_logprobs' must be between 0 and 20")
+    given = {k: v for k, v in body.items() if v is not None}  # OpenAI's clients may send null for "not set"
+    logprobs = get(given, "logprobs", bool if chat else int, False if chat else 0)  # chat: a flag; completions: the k
+    top = get(given if chat else {"top_logprobs": logprobs}, "top_logprobs", int, 0, 0, 20)
     params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
-    stream = body.get("stream", False)
-    check_type("stream", stream, bool)
+    stream = get(body, "stream", bool, False)
     session = request.headers.get("X-Session-ID")
     if session and session not in state.sessions and len(state.sessions) >= state.opts.max_pending:
         raise ApiError(429, f"{len(state.sessions)} sessions are open (--max-pending); delete some")
@@ -714,21 +671,17 @@ def make_app(args, opts) -> web.Application:
         engine.shutdown()
 
     app.cleanup_ctx.append(engine_ctx)
-    app.router.add_get("/health", health)
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/rollout", rollout)
-    app.router.add_post("/get_future", get_future)
-    app.router.add_post("/abort", abort)
-    app.router.add_post("/init_communicator", init_communicator)
-    app.router.add_post("/update_weights", update_weights)
-    app.router.add_post("/close_communicator", close_communicator)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", openai_completion)
-    app.router.add_post("/v1/chat/completions", openai_completion)
-    app.router.add_route("GET", "/v1/sessions/{session_id}", session)
-    app.router.add_route("DELETE", "/v1/sessions/{session_id}", session)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
     return app
+
+
+ROUTES = [("GET", "/health", health), ("POST", "/generate", generate), ("POST", "/rollout", rollout),
+          ("POST", "/get_future", get_future), ("POST", "/abort", abort), ("POST", "/init_communicator", init_communicator),
+          ("POST", "/update_weights", update_weights), ("POST", "/close_communicator", close_communicator),
+          ("GET", "/metrics", metrics), ("GET", "/v1/models", models), ("POST", "/v1/completions", openai_completion),
+          ("POST", "/v1/chat/completions", openai_completion), ("GET", "/v1/sessions/{session_id}", session),
+          ("DELETE", "/v1/sessions/{session_id}", session)]
 
 
 def parse_args(argv=None):

@@ -1,7 +1,7 @@
 """GRPO with asynchronous rollouts: train on micro-batch i while the server generates i+1..N.
 
     python train.py                      # demo: the tiny model learns addition (a few minutes on 2 CPU cores)
-    python train.py --mode sync-batch    # the synchronous loop, for comparison
+    python train.py --schedule sync-batch    # the synchronous loop, for comparison
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
         --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
 
@@ -66,7 +66,7 @@ class Config:
     bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for forward and backward (fp32 master weights)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
     # schedule
-    mode: str = field(default="overlap", metadata={"help": "overlap: submit the whole step, train on micro-batches of "
+    schedule: str = field(default="overlap", metadata={"help": "overlap: submit the whole step, train on micro-batches of "
                                                         "prompts in the order their groups finish; overlap-priority: N "
                                                         "requests, finishing in order on a throttled server; sync-batch: "
                                                         "generate the whole step as one batch, then train",
@@ -286,12 +286,12 @@ def submit(client, rows, cfg, min_version=None):
     sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, is_async=True)
     if min_version is not None:
         sampling["min_version"] = min_version
-    if cfg.mode == "overlap":  # every prompt its own request, all at once: the engine decodes one big batch
+    if cfg.schedule == "overlap":  # every prompt its own request, all at once: the engine decodes one big batch
         if cfg.task == "calculator":
             return [([r], request([r["prompt"]], **sampling)) for r in rows]
         sampling.pop("is_async")
         return list(zip([[r] for r in rows], client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling)))
-    if cfg.mode == "overlap-priority":  # N requests, lower priority first, on a throttled server
+    if cfg.schedule == "overlap-priority":  # N requests, lower priority first, on a throttled server
         chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
         return [(c, request([r["prompt"] for r in c], priority=i, **sampling)) for i, c in enumerate(chunks)]
     return [(rows, request([r["prompt"] for r in rows], **sampling))]  # sync-batch: the whole step as one request
@@ -302,7 +302,7 @@ def collect(client, rows, submitted, cfg):
     the schedule hands them to the trainer. Whatever the order and composition of micro-batches,
     the step's summed gradient is the same: only *when* the trainer gets each sample changes."""
     N, size = cfg.micro_batches, len(rows) // cfg.micro_batches
-    if cfg.mode == "overlap":
+    if cfg.schedule == "overlap":
         # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
         # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
         row_of, done = {f.request_id: r for [r], f in submitted}, []
@@ -311,7 +311,7 @@ def collect(client, rows, submitted, cfg):
             if len(done) == size:
                 yield [r for r, _, _ in done], [g for _, g, _ in done], [m for _, _, m in done]
                 done = []
-    elif cfg.mode == "overlap-priority":  # in submission order: the throttled server finishes them so
+    elif cfg.schedule == "overlap-priority":  # in submission order: the throttled server finishes them so
         for chunk, future in submitted:
             yield chunk, future.result(), [future.timing]
     else:  # sync-batch: wait for the whole step, then train on its slices
@@ -369,7 +369,7 @@ def plot(history, path, evals=(), timeline_steps=4):
         ax1.plot([step for step, _ in evals], [e[k] for _, e in evals], marker="s", linestyle="--", label=f"held-out {k}")
     ax1.set_ylabel("per sample")
     ax1.legend(loc="lower right", fontsize=8)
-    ax1.set_title(f"GRPO, {history[0]['mode']} rollouts, max staleness {max(h['staleness'] for h in history):.0f}")
+    ax1.set_title(f"GRPO, {history[0]['schedule']} schedule, max staleness {max(h['staleness'] for h in history):.0f}")
     bottom = [0.0] * len(steps)
     for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
         values = [h[key] for h in history]
@@ -488,7 +488,7 @@ def train(cfg: Config, client: Client):
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
     seqs = cfg.micro_batch_seqs
-    if cfg.mode == "overlap-priority" and (decoded := client.health()["max_num_seqs"]) != seqs:
+    if cfg.schedule == "overlap-priority" and (decoded := client.health()["max_num_seqs"]) != seqs:
         print(f"warning: overlap-priority wants a server started with --max-num-seqs {seqs} (one micro-batch at a "
               f"time); this one decodes {decoded} at once, so micro-batches may not finish in order")
     os.makedirs(cfg.out, exist_ok=True)
@@ -551,7 +551,7 @@ def train(cfg: Config, client: Client):
             w, bound = s["is_weights"], overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness)
             rewards = s["rewards"]
             row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
-                   "version": sampled_version, "mode": cfg.mode, "grad_norm": grad_norm.item(), "tokens": s["tokens"],
+                   "version": sampled_version, "schedule": cfg.schedule, "grad_norm": grad_norm.item(), "tokens": s["tokens"],
                    "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s,
                    "step_s": step_s, "bound": bound, "staleness": sum(s["staleness"]) / len(s["staleness"]),
                    "is_weight_mean": w.mean().item() if len(w) else 1.0, "is_weight_max": w.max().item() if len(w) else 1.0,
@@ -598,7 +598,7 @@ def main(argv=None):
     if cfg.server_url:
         return run(Client(cfg.server_url))
     # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a time
-    throttle = ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.mode == "overlap-priority" else ()
+    throttle = ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.schedule == "overlap-priority" else ()
     os.makedirs(cfg.out, exist_ok=True)
     proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, *throttle,
                                  "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),

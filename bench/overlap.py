@@ -51,8 +51,8 @@ def medians(history, warmup):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per mode")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each mode left out of the medians")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per schedule")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each schedule left out of the medians")
     p.add_argument("--hidden-size", type=int, default=256, help="hidden size of the tiny Qwen2 (bigger: T grows faster than G)")
     p.add_argument("--num-layers", type=int, default=4, help="layers of the tiny Qwen2")
     p.add_argument("--prompts-per-step", type=int, default=48, help="prompts per optimizer step")
@@ -78,10 +78,10 @@ def main():
                                      env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # the engine's OpenMP threads: core 0
                                      log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
         try:
-            for name, (mode, staleness, needs) in runs.items():
+            for name, (schedule, staleness, needs) in runs.items():
                 if needs != flags:
                     continue
-                cfg = train.Config(model=model, out=os.path.join(args.out, name.replace(" ", "-")), steps=args.steps, mode=mode,
+                cfg = train.Config(model=model, out=os.path.join(args.out, name.replace(" ", "-")), steps=args.steps, schedule=schedule,
                                    max_staleness=staleness, prompts_per_step=args.prompts_per_step,
                                    micro_batches=args.micro_batches, group_size=args.group_size, max_tokens=args.max_tokens,
                                    lr=args.lr)

@@ -31,11 +31,11 @@ def main():
     model, out = tiny_model(), tempfile.mkdtemp(prefix="bench-trl-")
     medians = {}
     for name, (staleness, flags) in SCHEDULES.items():
-        mode = name.split()[0]
-        proc, client = launch_server("--model", model, *flags, log_path=os.path.join(out, f"{mode}.log"))
+        schedule = name.split()[0]
+        proc, client = launch_server("--model", model, *flags, log_path=os.path.join(out, f"{schedule}.log"))
         try:
             cfg = train.Config(model=model, out=os.path.join(out, name.replace(" ", "-")), steps=20, prompts_per_step=4,
-                               micro_batches=4, group_size=8, max_tokens=32, lr=1e-3, mode=mode, max_staleness=staleness)
+                               micro_batches=4, group_size=8, max_tokens=32, lr=1e-3, schedule=schedule, max_staleness=staleness)
             history = train.train(cfg, client)
         finally:
             stop_server(proc)

@@ -39,7 +39,8 @@ sys.path.insert(0, ROOT)
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from client import broadcast as timed_broadcast  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
 from client import free_port, launch_server, stop_server, weight_group  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
@@ -48,11 +49,14 @@ QWEN25_05B = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_ke
 
 
 def init_group(host, port, rank, world_size):
-    return weight_group("gloo", host, port, rank, world_size, timeout_s=120)
+    return weight_group("gloo", host, port, rank, world_size, weight_sync_timeout=120)
 
 
 def broadcast(group, tensor, root=0):
-    timed_broadcast(group, tensor, 120, root)
+    """A blocking gloo broadcast from `root` (the handshakes go from the receiver, rank 1)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    group.broadcast([tensor], opts).wait()
 
 
 def median_seconds(fn, rounds):

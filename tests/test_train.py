@@ -130,11 +130,11 @@ def test_reward_reads_the_last_number():
     assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
-@pytest.mark.parametrize("mode", ["overlap", "overlap-priority", "sync-batch"])
-def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, mode):
+@pytest.mark.parametrize("schedule", ["overlap", "overlap-priority", "sync-batch"])
+def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, schedule):
     v0 = server.health()["version"]
     cfg = train.Config(model=model_path, steps=3, prompts_per_step=8, micro_batches=4, group_size=4, out=str(tmp_path),
-                       mode=mode)
+                       schedule=schedule)
     history = train.train(cfg, server)  # raises if any sample's version differs from the step's
     assert [h["version"] for h in history] == [v0 + 1, v0 + 2, v0 + 3]  # v0 + 1: the trainer's initial push
     assert server.health()["version"] == v0 + 4

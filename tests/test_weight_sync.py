@@ -128,7 +128,7 @@ import os, sys, torch
 sys.path.insert(0, {root!r})
 from client import Client, broadcast, pack
 c = Client({url!r})
-c.init_communicator("gloo", timeout=30)
+c.init_communicator("gloo", weight_sync_timeout=30)
 buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
 c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})  # phase 1: the server receives
 broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8), 30)  # one bucket of many, then die
