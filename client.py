@@ -468,16 +468,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_server(*flags, log_path=os.devnull, timeout=300.0, env=None, prefix=(), port=None, group_port=None, api_key=None):
-    """Start `python server.py *flags` (on free ports unless given); return (process, Client) once
-    it is up. `prefix` goes before the command (e.g. ("taskset", "-c", "0") to pin it to a core)."""
+def launch_server(*flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None):
+    """Start `python server.py *flags` (on free ports unless given); return (process, Client) once it is up."""
     port, group_port = port or free_port(), group_port or free_port()
     if api_key:
         flags = (*flags, "--api-key", api_key)
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*prefix, sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags],
+                                stdout=log, stderr=subprocess.STDOUT)
     client = Client(f"http://127.0.0.1:{port}", api_key=api_key, retries=0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU

@@ -13,6 +13,7 @@ Where this departs from the GRPO paper:
 3. The loss is token-level, normalised by all completion tokens of the optimizer step.
 """
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -32,58 +33,60 @@ from client import Client, ServerError, launch_server, stop_server
 from engine import Episode, save_model, tiny_model
 
 
+def flag(default, help, choices=None):
+    """A Config field, exposed by parse_config as a --flag with this help."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class Config:
     # model and data
-    model: str = field(default="", metadata={"help": "HF folder or hub id (default: the built-in tiny model, warm-started)"})
-    dataset: str = field(default="", metadata={"help": "jsonl of {prompt, answer}; reward 1 if the last number in the "
-                                                          "completion equals answer (default: built-in addition)"})
-    task: str = field(default="addition", metadata={"help": "addition: one completion per sample; calculator: multi-turn episodes "
-                                                        "that may call the 'calc' tool (trained with their loss mask)",
-                                                "choices": ["addition", "calculator"]})
-    max_turns: int = field(default=3, metadata={"help": "calculator task: model turns per episode"})
-    dtype: str = field(default="float32", metadata={"help": "dtype of the served weights (the trainer keeps float32)"})
-    server_url: str = field(default="", metadata={"help": "a running server.py (default: start one on the model)"})
-    device: str = field(default="cpu", metadata={"help": "trainer device: cpu (weights go over gloo), cuda (over CUDA IPC "
-                                                          "if the server is on the same GPU, else NCCL)"})
-    trainer_host: str = field(default="127.0.0.1", metadata={"help": "this machine's address as the server's workers reach "
-                                                                      "it (NCCL/gloo weight sync with a server elsewhere)"})
-    gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU only: the fraction of the GPU the server "
-                                                                          "train.py starts may take; the trainer uses the rest"})
-    out: str = field(default="runs/demo", metadata={"help": "folder for metrics.jsonl, plot.png and the checkpoint"})
+    model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
+    dataset: str = flag("", "jsonl of {prompt, answer}; reward 1 if the last number in the completion equals answer "
+                            "(default: built-in addition)")
+    task: str = flag("addition", "addition: one completion per sample; calculator: multi-turn episodes that may call the "
+                                 "'calc' tool (trained with their loss mask)", ["addition", "calculator"])
+    max_turns: int = flag(3, "calculator task: model turns per episode")
+    dtype: str = flag("float32", "dtype of the served weights (the trainer keeps float32)")
+    server_url: str = flag("", "a running server.py (default: start one on the model)")
+    device: str = flag("cpu", "trainer device: cpu (weights go over gloo), cuda (over CUDA IPC if the server is on the "
+                              "same GPU, else NCCL)")
+    trainer_host: str = flag("127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo weight "
+                                          "sync with a server elsewhere)")
+    gpu_memory_utilization: float = flag(0.3, "GPU only: the fraction of the GPU the server train.py starts may take; "
+                                              "the trainer uses the rest")
+    out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
     # GRPO
-    steps: int = field(default=120, metadata={"help": "optimizer steps"})
-    prompts_per_step: int = field(default=32, metadata={"help": "prompts per optimizer step"})
-    micro_batches: int = field(default=4, metadata={"help": "N: gradient-accumulation micro-batches per step"})
-    group_size: int = field(default=8, metadata={"help": "G: completions per prompt (the server's n)"})
-    max_tokens: int = field(default=4, metadata={"help": "completion length limit"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
-    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    steps: int = flag(120, "optimizer steps")
+    prompts_per_step: int = flag(32, "prompts per optimizer step")
+    micro_batches: int = flag(4, "N: gradient-accumulation micro-batches per step")
+    group_size: int = flag(8, "G: completions per prompt (the server's n; TRL's num_generations)")
+    max_tokens: int = flag(4, "completion length limit")
+    temperature: float = flag(1.0, "sampling temperature")
+    lr: float = flag(1e-3, "AdamW learning rate")
+    max_grad_norm: float = flag(1.0, "gradient clipping")
     # memory: none of these changes the gradient, only how it is computed
-    train_micro_batch: int = field(default=0, metadata={"help": "sequences per forward/backward (0: all of a rollout "
-                                                                "micro-batch at once); independent of --micro-batches"})
-    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for forward and backward (fp32 master weights)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    # schedule
-    schedule: str = field(default="overlap", metadata={"help": "overlap: submit the whole step, train on micro-batches of "
-                                                        "prompts in the order their groups finish; overlap-priority: N "
-                                                        "requests, finishing in order on a throttled server; sync-batch: "
-                                                        "generate the whole step as one batch, then train",
-                                                "choices": ["overlap", "overlap-priority", "sync-batch"]})
-    max_staleness: int = field(default=0, metadata={"help": "0: every sample comes from the weights it is trained on "
-                                                            "(exactly on-policy); 1: step s+1 generates on the weights of step s "
-                                                            "while step s trains, corrected by truncated importance sampling"})
-    is_cap: float = field(default=2.0, metadata={"help": "cap of the importance weights of stale samples (TIS)"})
+    train_micro_batch: int = flag(0, "sequences per forward/backward (0: a whole micro-batch at once); independent "
+                                     "of --micro-batches")
+    bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward")
+    # the schedule: when the trainer gets which samples
+    schedule: str = flag("overlap", "overlap: submit the whole step, train on micro-batches of prompts in the order their "
+                                    "groups finish; overlap-priority: N requests, finishing in order on a throttled "
+                                    "server; sync-batch: generate the whole step as one batch, then train",
+                         ["overlap", "overlap-priority", "sync-batch"])
+    max_staleness: int = flag(0, "0: every sample comes from the weights it is trained on (exactly on-policy); 1: step "
+                                 "s+1 generates on the weights of step s while step s trains, corrected by truncated "
+                                 "importance sampling")
+    is_cap: float = flag(2.0, "cap of the importance weights of stale samples (TIS)")
     # evaluation: held-out prompts (never trained on), scored with the task's reward, pass@k
-    eval_only: bool = field(default=False, metadata={"help": "evaluate the model (no training) and exit"})
-    eval_every: int = field(default=0, metadata={"help": "evaluate every K steps while training, and at the end (0: never)"})
-    eval_prompts: int = field(default=8, metadata={"help": "held-out prompts, taken from the data and never trained on"})
-    eval_n: int = field(default=8, metadata={"help": "samples per held-out prompt: pass@k for k = 1, 2, 4, ... <= n"})
-    reconnect_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for a server that restarted "
-                                                                     "or went away before giving up"})
-    warm_start_steps: int = field(default=100, metadata={"help": "supervised steps teaching the tiny model the answer format"})
-    seed: int = field(default=0, metadata={"help": "seed for data, sampling and init"})
+    eval_only: bool = flag(False, "evaluate the model (no training) and exit")
+    eval_every: int = flag(0, "evaluate every K steps while training, and at the end (0: never)")
+    eval_prompts: int = flag(8, "held-out prompts, taken from the data and never trained on")
+    eval_n: int = flag(8, "samples per held-out prompt: pass@k for k = 1, 2, 4, ... <= n")
+    reconnect_timeout: float = flag(300.0, "seconds to wait for a server that restarted or went away before giving up")
+    warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
+    seed: int = flag(0, "seed for data, sampling and init")
 
     def __post_init__(self):
         if min(self.steps, self.micro_batches, self.max_tokens, self.max_turns) < 1 or self.train_micro_batch < 0:
@@ -268,7 +271,7 @@ def sequence(row, sample, tok, partial=False):
 
 
 # -----------------------------------------------------------------------------
-# the rollout schedules: submit() sends a step's prompts, collect() hands them to the trainer
+# the schedules: submit() sends a step's prompts, collect() hands them to the trainer
 
 
 def requester(client, cfg):
@@ -352,7 +355,7 @@ def evaluate(client, rows, cfg):
 # logging
 
 
-def plot(history, path, evals=(), timeline_steps=4):
+def plot(history, path, evals=()):
     """Reward per step, the time each step spent, and a timeline of a few steps: when the server
     generated each micro-batch and when the trainer trained on it and pushed weights. `evals`:
     [(step, evaluate()'s result)], drawn with the reward."""
@@ -373,22 +376,28 @@ def plot(history, path, evals=(), timeline_steps=4):
     bottom = [0.0] * len(steps)
     for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
         values = [h[key] for h in history]
-        ax2.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s").replace("idle", "idle (waiting for rollouts)"))
+        ax2.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s").replace("idle", "idle (waiting for samples)"))
         bottom = [b + v for b, v in zip(bottom, values)]
     ax2.plot(steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("seconds")
     ax2.legend(loc="upper right", fontsize=8)
-    shown = history[len(history) // 2:][:timeline_steps]  # a few steps from the middle of the run
-    t0 = shown[0]["intervals"]["gen"][0][0]
-    for lane, (key, color) in enumerate([("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]):
-        for h in shown:
-            ax3.broken_barh([(a - t0, b - a) for a, b in h["intervals"][key]], (lane - 0.4, 0.8), color=color, alpha=0.5)
-    ax3.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
-    ax3.set_xlabel(f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)")
+    draw_timeline(ax3, history)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def draw_timeline(ax, history, steps=4):
+    """A few steps from the middle of a run, from metrics.jsonl's intervals: when the server
+    generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
+    shown = history[len(history) // 2:][:steps]
+    t0 = min(a for h in shown for a, _ in h["intervals"]["gen"] + h["intervals"]["train"])
+    for lane, (key, color) in enumerate([("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]):
+        for h in shown:
+            ax.broken_barh([(a - t0, b - a) for a, b in h["intervals"][key]], (lane - 0.4, 0.8), color=color, alpha=0.5)
+    ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
+    ax.set_xlabel(f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)")
 
 
 # -----------------------------------------------------------------------------
@@ -451,6 +460,17 @@ def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
     return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
 
 
+@contextlib.contextmanager
+def unless_lost():
+    """Run the block, but if the server is lost meanwhile skip the rest of it: the step's own
+    calls then find out and reconnect."""
+    try:
+        yield
+    except (ConnectionError, ServerError) as e:
+        if not server_lost(e):
+            raise
+
+
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
     our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
@@ -487,32 +507,27 @@ def train(cfg: Config, client: Client):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
-    seqs = cfg.micro_batch_seqs
-    if cfg.schedule == "overlap-priority" and (decoded := client.health()["max_num_seqs"]) != seqs:
-        print(f"warning: overlap-priority wants a server started with --max-num-seqs {seqs} (one micro-batch at a "
-              f"time); this one decodes {decoded} at once, so micro-batches may not finish in order")
+    if cfg.schedule == "overlap-priority" and (decoded := client.health()["max_num_seqs"]) != cfg.micro_batch_seqs:
+        print(f"warning: overlap-priority wants a server started with --max-num-seqs {cfg.micro_batch_seqs} (one "
+              f"micro-batch at a time); this one decodes {decoded} at once, so micro-batches may not finish in order")
     os.makedirs(cfg.out, exist_ok=True)
-    history = []
+    history, t_run = [], time.time()
     partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
+    rows, submitted = rng.sample(data, cfg.prompts_per_step), None
     # `with client`: if anything below raises, the requests still generating on the server are aborted
     with client, open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
-        t_run = time.time()
-        rows, submitted = rng.sample(data, cfg.prompts_per_step), None
         for step in bar:
             evaluation = None
             if cfg.eval_every and step % cfg.eval_every == 0:
-                try:
+                with unless_lost():  # if lost, this step reconnects below and goes on without this evaluation
                     evaluation = evaluate(client, held_out, cfg)
-                except (ConnectionError, ServerError) as e:
-                    if not server_lost(e):
-                        raise  # else this step finds the server lost, reconnects and goes on, without this evaluation
-            t_step = time.time()
+            t_step, last = time.time(), step + 1 == cfg.steps
             next_rows, next_submitted = rng.sample(data, cfg.prompts_per_step), None
-            for attempt in range(3):  # the step's rollouts and gradients; again if the server was lost
+            for attempt in range(3):  # the step's samples and gradients; again if the server was lost
                 try:
                     submitted = submitted or submit(client, rows, cfg)
-                    if cfg.max_staleness == 1 and step + 1 < cfg.steps:  # step s+1 generates now, on these
-                        next_submitted = next_submitted or submit(client, next_rows, cfg)  # weights, while s trains
+                    if cfg.max_staleness == 1 and not last:  # step s+1 generates now, on these weights, while s trains
+                        next_submitted = next_submitted or submit(client, next_rows, cfg)
                     s = accumulate_step(client, model, tok, rows, submitted, cfg, version, partial)
                     break
                 except (ConnectionError, ServerError, ServerRestarted) as e:
@@ -526,44 +541,27 @@ def train(cfg: Config, client: Client):
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad /= max(s["tokens"], 1)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            s["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
             opt.step()
             opt.zero_grad(set_to_none=True)
             s["train"].append([t0, time.time()])
-            if cfg.max_staleness == 0 and step + 1 < cfg.steps:  # on-policy: the server holds step s+1 until the
-                try:                                                # push below has landed
+            if cfg.max_staleness == 0 and not last:  # on-policy: the server holds step s+1 until the push below lands
+                with unless_lost():  # if lost, the push below reconnects, and the next step submits again
                     next_submitted = submit(client, next_rows, cfg, min_version=version + 1)
-                except (ConnectionError, ServerError) as e:
-                    if not server_lost(e):
-                        raise  # else the push below reconnects, and the next step submits again
-            t_sync = time.time()
-            sampled_version = version
+            s["sync"], sampled_version = [[time.time(), None]], version
             try:
                 version = client.update_model_params(model)  # the next step samples from these (K = 0)
             except (ConnectionError, ServerError) as e:
                 if not server_lost(e):
                     raise
                 version = reconnect(client, model, cfg, e)
+            s["sync"][0][1] = time.time()
             rows, submitted = next_rows, next_submitted
-            # the overlap measured where it happens: generation on the server, training and sync here
-            gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
-            train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), time.time() - t_sync, time.time() - t_step
-            w, bound = s["is_weights"], overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness)
-            rewards = s["rewards"]
-            row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
-                   "version": sampled_version, "schedule": cfg.schedule, "grad_norm": grad_norm.item(), "tokens": s["tokens"],
-                   "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s,
-                   "step_s": step_s, "bound": bound, "staleness": sum(s["staleness"]) / len(s["staleness"]),
-                   "is_weight_mean": w.mean().item() if len(w) else 1.0, "is_weight_max": w.max().item() if len(w) else 1.0,
-                   "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(w) else 0.0,
-                   "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in v]
-                                 for k, v in (("gen", s["gen"]), ("train", s["train"]), ("sync", [[t_sync, t_sync + sync_s]]))}}
-            if evaluation:
-                row["eval"] = evaluation  # on the weights this step sampled from
+            row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
-            bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{step_s:.2f}")
+            bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{row['step_s']:.2f}")
     evals = [(h["step"], h["eval"]) for h in history if "eval" in h]
     if cfg.eval_every:  # and on the final weights
         evals.append((cfg.steps, final_eval(client, held_out, cfg)))
@@ -577,6 +575,26 @@ def train(cfg: Config, client: Client):
               f"last 5 steps {sum(h[key] for h in last) / len(last):.3f}")
     print(f"outputs in {cfg.out}")
     return history
+
+
+def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
+    """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
+    (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
+    rest of the step, when the trainer waited for samples."""
+    gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
+    train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), s["sync"][0][1] - s["sync"][0][0], time.time() - t_step
+    rewards, w = s["rewards"], s["is_weights"]
+    row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
+           "version": version, "schedule": cfg.schedule, "grad_norm": s["grad_norm"], "tokens": s["tokens"],
+           "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s, "step_s": step_s,
+           "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
+           "staleness": sum(s["staleness"]) / len(s["staleness"]),
+           "is_weight_mean": w.mean().item() if len(w) else 1.0, "is_weight_max": w.max().item() if len(w) else 1.0,
+           "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(w) else 0.0,
+           "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]] for k in ("gen", "train", "sync")}}
+    if evaluation:
+        row["eval"] = evaluation  # on the weights this step sampled from
+    return row
 
 
 def final_eval(client, held_out, cfg):

@@ -1,6 +1,6 @@
 """The same multi-turn evaluation two ways: our asynchronous engine against a lock-step evaluator.
 
-    .venv/bin/python bench/eval_speed.py                       # 128 prompts x n=8, up to 3 turns, tools 0.1 s
+    .venv/bin/python bench/eval_speed.py                       # 128 prompts x n=8, up to 3 turns, tools 1 s on average
     .venv/bin/python bench/eval_speed.py --tool-latency 0      # an instant tool
     .venv/bin/python bench/eval_speed.py --prompts 32 --rounds 1
 
@@ -102,7 +102,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per turn")
     p.add_argument("--max-episode-tokens", type=int, default=256)
     p.add_argument("--call-end", default="e", help="the text that ends a turn as a tool call")
-    p.add_argument("--tool-latency", type=float, default=0.1, help="mean seconds a tool call takes (exponential)")
+    p.add_argument("--tool-latency", type=float, default=1.0, help="mean seconds a tool call takes (exponential)")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per side, alternating")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="GPU only: each engine's share of the GPU")
     a = p.parse_args()

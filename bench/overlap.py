@@ -3,7 +3,7 @@
     .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
     .venv/bin/python bench/overlap.py --steps 6 --num-layers 6    # a bigger model: T grows faster than G
 
-Core 0 plays the inference GPU: servers run under `taskset -c 0` with VLLM_CPU_OMP_THREADS_BIND=0.
+Core 0 plays the inference GPU: servers are started pinned to it (their children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0.
 Core 1 plays the training GPU: this process, one torch thread. `train.train` runs once per schedule
 with the same Config except the schedule and `out`, each on the server settings it needs:
   sync-batch        the baseline: the whole step as one batch, then train; unthrottled server
@@ -23,7 +23,8 @@ Per schedule, medians over steps after the first `--warmup` of train.py's metric
 (`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`), idle, step, tokens.
 The last lines are `overlap_speedup=<x> bound=<b> efficiency=<x/b>` (x = sync-batch step time over
 overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from the sync-batch run) and
-`stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`.
+`stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`. Then it draws `--out`/timeline.png: three
+steps each of sync-batch, overlap and overlap K=1 on one time axis (train.draw_timeline), the README's figure.
 """
 import argparse
 import json
@@ -39,7 +40,6 @@ import torch  # noqa: E402
 import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import TINY_MODEL_DIR, tiny_model  # noqa: E402
-
 
 
 def medians(history, warmup):
@@ -63,8 +63,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-overlap"), help="folder for the runs and server.log")
     args = p.parse_args()
 
-    os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
     torch.set_num_threads(1)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine: its OpenMP threads on core 0
     model = tiny_model(path=f"{TINY_MODEL_DIR}-h{args.hidden_size}-l{args.num_layers}",
                        hidden_size=args.hidden_size, num_layers=args.num_layers)
     seqs = train.Config(model=model, prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
@@ -72,11 +72,11 @@ def main():
     runs = {"sync-batch": ("sync-batch", 0, ()), "overlap": ("overlap", 0, ()), "overlap K=1": ("overlap", 1, ()),
             "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs)))}
     os.makedirs(args.out, exist_ok=True)
-    results = {}
+    results, histories = {}, {}
     for flags in sorted({f for _, _, f in runs.values()}):
-        proc, client = launch_server("--model", model, *flags, prefix=("taskset", "-c", "0"),
-                                     env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},  # the engine's OpenMP threads: core 0
-                                     log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
+        os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
+        proc, client = launch_server("--model", model, *flags, log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
+        os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
         try:
             for name, (schedule, staleness, needs) in runs.items():
                 if needs != flags:
@@ -86,7 +86,8 @@ def main():
                                    micro_batches=args.micro_batches, group_size=args.group_size, max_tokens=args.max_tokens,
                                    lr=args.lr)
                 print(json.dumps(vars(cfg)), f"server flags: {' '.join(flags) or 'none'}", flush=True)
-                results[name] = medians(train.train(cfg, client), args.warmup)
+                histories[name] = train.train(cfg, client)
+                results[name] = medians(histories[name], args.warmup)
         finally:
             stop_server(proc)
 
@@ -104,6 +105,29 @@ def main():
     print(f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
           f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}")
     print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
+    draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
+
+
+def draw_timelines(histories, results, N, path):
+    """Three steps of sync-batch, overlap and overlap K=1 on one time axis, drawn by train.py's
+    own draw_timeline from the runs' metrics, each titled with its medians and its bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["sync-batch", "overlap", "overlap K=1"]
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 7), sharex=True)
+    base = results["sync-batch"]
+    for ax, name in zip(axes, names):
+        train.draw_timeline(ax, histories[name], steps=3)
+        m, K = results[name], 1 if "K=1" in name else 0
+        bound = "" if name == "sync-batch" else \
+            f"; bound {train.overlap_bound(base['G'], base['T'], base['S'], N, K):.2f}x, measured {base['step'] / m['step']:.2f}x"
+        ax.set_title(f"{name}: step {m['step']:.2f} s (G {m['G']:.2f}, T {m['T']:.2f}, S {m['S']:.2f}){bound}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"timelines: {path}")
 
 
 if __name__ == "__main__":
