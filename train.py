@@ -303,7 +303,9 @@ def submit(client, rows, cfg, min_version=None):
 def collect(client, rows, submitted, cfg):
     """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G], in the order
     the schedule hands them to the trainer. Whatever the order and composition of micro-batches,
-    the step's summed gradient is the same: only *when* the trainer gets each sample changes."""
+    the step's summed gradient is the same: only *when* the trainer gets each sample changes.
+    Micro-batches are split by prompt, never inside a prompt's group: a group's advantages need
+    all G of its rewards, so a group never straddles two micro-batches."""
     N, size = cfg.micro_batches, len(rows) // cfg.micro_batches
     if cfg.schedule == "overlap":
         # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
