@@ -16,6 +16,7 @@ The payload types (Completion, Episode) and the weight-group code below are shar
 which imports them from here so that this file runs on a trainer machine without vLLM.
 """
 import base64
+import contextlib
 import math
 import os
 import socket
@@ -64,21 +65,22 @@ class Episode:
 # the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
 
 
-def weight_group(transport, host, port, rank, world_size, weight_sync_timeout):
+def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, device=None):
     """A process group of `world_size` ranks made from torch.distributed's own pieces: a TCPStore
     hosted by rank 0 (the trainer) and a gloo or NCCL backend, each with an explicit timeout.
     The group is warmed up with one tiny broadcast, so the first real bucket does not pay for
-    NCCL's lazy set-up, and a peer that cannot reach us fails here, not in an update."""
+    NCCL's lazy set-up, and a peer that cannot reach us fails here, not in an update. NCCL: each
+    rank on its own GPU, `device`; NCCL makes its communicator on the GPU of the first tensor."""
     timeout = timedelta(seconds=weight_sync_timeout)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        device = torch.device("cuda", torch.cuda.current_device())
     else:
         group, device = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout), torch.device("cpu")
-    broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
     return group
 
 
@@ -105,10 +107,11 @@ def finish(work, tensor, weight_sync_timeout):
     work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
 
 
-def close_group(group, failed=False):
-    """Leave a group. A failed NCCL group is aborted, so no kernel keeps waiting for a dead peer."""
+def close_group(group):
+    """Leave a group. An NCCL group is aborted, never shut down: shutdown() waits until every rank
+    leaves, while the trainer and the workers leave one after the other (and a dead peer never does)."""
     if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
-        group.abort() if failed else group.shutdown()
+        group.abort()
 
 
 def share_cuda(buffer: torch.Tensor) -> dict:
@@ -368,7 +371,8 @@ class Client:
                 reply = pool.submit(self._request, "POST", "/init_communicator", body, weight_sync_timeout + 30,
                                     requests.Session())
                 try:
-                    self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], weight_sync_timeout)
+                    self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], weight_sync_timeout,
+                                              self.device)
                 except Exception as e:  # the server's answer says why, if it has one
                     reply.result()
                     raise ConnectionError(f"weight group at {host}:{info['group_port']} failed: {e}") from None
@@ -382,9 +386,9 @@ class Client:
             self._request("POST", "/close_communicator")
             self._drop_group()
 
-    def _drop_group(self, failed=False):
+    def _drop_group(self):
         if self.group is not None:
-            close_group(self.group, failed)
+            close_group(self.group)
         self.group, self.transport, self.buffers = None, None, [None, None]
 
     def _buffer(self, slot, size):
@@ -433,7 +437,7 @@ class Client:
                         finish(*work, self.weight_sync_timeout)
             self.last_update = self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))
         except Exception:
-            self._drop_group(failed=True)  # a failed update: the server's workers left the group too
+            self._drop_group()  # a failed update: the server's workers left the group too
             raise
         return self.last_update["version"]  # and receive_s, load_s: where the workers spent it
 

@@ -218,12 +218,13 @@ class WeightSyncWorker:
             if gpu != device_uuid(self.device):
                 raise ValueError(f"ipc needs the trainer on the server's GPU {device_uuid(self.device)}, not {gpu}")
         else:
-            self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, weight_sync_timeout)
+            self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, weight_sync_timeout,
+                                      self.device)
         self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
 
-    def close_communicator(self, failed=False):
+    def close_communicator(self):
         if self.group is not None:
-            close_group(self.group, failed)
+            close_group(self.group)
         self.transport, self.group, self.ipc_buffers = None, None, []
 
     def receive_weights(self, buckets):
@@ -248,7 +249,7 @@ class WeightSyncWorker:
                     broadcast(self.group, buffer, self.weight_sync_timeout)
                     received += unpack(buffer.to(self.device), b["params"])  # gloo: one copy to the GPU per bucket
         except Exception:
-            self.close_communicator(failed=True)
+            self.close_communicator()
             raise
         received_at = time.perf_counter()
         try:

@@ -71,13 +71,14 @@ def test_server_matches_synchronous_vllm(client, model_path):
 
 
 def test_200_concurrent_requests_all_complete_and_are_freed(client):
+    before = client.health()["pending_results"]  # an earlier test may leave a result nobody fetches (it expires)
     with ThreadPoolExecutor(16) as pool:
         futures = list(pool.map(lambda i: Client(client.base_url).generate([f"req {i}"], n=2, max_tokens=8, is_async=True), range(200)))
         results = list(pool.map(lambda f: f.result(timeout=300), futures))
     assert len({f.request_id for f in futures}) == 200
     assert all(len(r) == 1 and len(r[0]) == 2 for r in results)
     health = client.health()
-    assert health["pending_results"] == 0 and health["in_flight"] == 0
+    assert health["pending_results"] == before and health["in_flight"] == 0
 
 
 BAD_INPUTS = [
