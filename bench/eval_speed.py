@@ -140,7 +140,10 @@ def main():
     for name in sides:
         print(f"{name:9s} {statistics.median(times[name]):.2f} s (median of {a.rounds}); {summary(rows, results[name])}")
     print(f"async_vs_sync={statistics.median(times['lock-step']) / statistics.median(times['async']):.2f}")
-    engine.shutdown()
+
+    async def shutdown():  # on the engine's own loop, so that its output handler stops before the engine core
+        engine.shutdown()
+    run(shutdown())
 
 
 if __name__ == "__main__":
