@@ -19,7 +19,6 @@ import signal
 import sys
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 
 import prometheus_client as prom

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
-import torch
 
 import train
 from client import Client, ServerError, free_port, launch_server, stop_server
