@@ -11,6 +11,7 @@ table lists every field. Every mistake of the caller is a 4xx with {"error": mes
 import argparse
 import asyncio
 import hmac
+import itertools
 import json
 import math
 import os
@@ -527,8 +528,8 @@ def openai_answer(engine, chat, prompt, completions, logprobs, top):
                                               zip(tokens, c.logprobs, alternatives)]} if logprobs else None
         else:
             choice["text"] = c.text
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "text_offset": [
-                sum(map(len, tokens[:j])) for j in range(len(tokens))], "top_logprobs": [
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "text_offset": list(
+                itertools.accumulate(map(len, tokens), initial=0))[:-1], "top_logprobs": [
                 {a["token"]: a["logprob"] for a in alt} for alt in alternatives]} if logprobs else None
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in completions)

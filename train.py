@@ -104,7 +104,7 @@ class Config:
 
     @property
     def micro_batch_seqs(self):
-        """Sequences in one rollout micro-batch: what overlap-priority admits at a time."""
+        """Sequences in one micro-batch of a step: what overlap-priority admits at a time."""
         return self.prompts_per_step // self.micro_batches * self.group_size
 
 
@@ -550,14 +550,14 @@ def train(cfg: Config, client: Client):
             if cfg.max_staleness == 0 and not last:  # on-policy: the server holds step s+1 until the push below lands
                 with unless_lost():  # if lost, the push below reconnects, and the next step submits again
                     next_submitted = submit(client, next_rows, cfg, min_version=version + 1)
-            s["sync"], sampled_version = [[time.time(), None]], version
+            t_sync, sampled_version = time.time(), version
             try:
                 version = client.update_model_params(model)  # the next step samples from these (K = 0)
             except (ConnectionError, ServerError) as e:
                 if not server_lost(e):
                     raise
                 version = reconnect(client, model, cfg, e)
-            s["sync"][0][1] = time.time()
+            s["sync"] = [[t_sync, time.time()]]
             rows, submitted = next_rows, next_submitted
             row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
