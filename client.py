@@ -12,8 +12,7 @@
 
 Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
 no copy through the host), `nccl` when they are on another GPU, `gloo` when they are on the CPU.
-The payload types (Completion, Episode) and the weight-group code below are shared with engine.py,
-which imports them from here so that this file runs on a trainer machine without vLLM.
+engine.py imports the payloads and the weight-group code from here: a trainer needs no vLLM.
 """
 import base64
 import contextlib
@@ -37,10 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRANSPORTS = ("ipc", "nccl", "gloo")
 
 
-# -----------------------------------------------------------------------------
-# what the server returns
-
-
+# -- what the server returns -----------------------------------------------------------------------
 @dataclass
 class Completion:
     text: str
@@ -61,16 +57,12 @@ class Episode:
     finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
 
 
-# -----------------------------------------------------------------------------
-# the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
-
-
+# -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..) ---
 def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, device=None):
-    """A process group of `world_size` ranks made from torch.distributed's own pieces: a TCPStore
-    hosted by rank 0 (the trainer) and a gloo or NCCL backend, each with an explicit timeout.
-    The group is warmed up with one tiny broadcast, so the first real bucket does not pay for
-    NCCL's lazy set-up, and a peer that cannot reach us fails here, not in an update. NCCL: each
-    rank on its own GPU, `device`; NCCL makes its communicator on the GPU of the first tensor."""
+    """A process group of torch.distributed's own pieces, each with an explicit timeout: a TCPStore
+    hosted by rank 0 (the trainer) and a gloo or NCCL backend. One tiny broadcast warms it up, so a
+    peer that cannot reach us fails here, not in an update. NCCL makes its communicator on the GPU
+    of the first tensor, so each rank sends that one from its own GPU, `device`."""
     timeout = timedelta(seconds=weight_sync_timeout)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if transport == "nccl":
@@ -90,9 +82,7 @@ def broadcast(group, tensor, weight_sync_timeout):
 
 
 def start_broadcast(group, tensor):
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return group.broadcast([tensor], opts)
+    return group.broadcast([tensor], dist.BroadcastOptions())  # rootRank 0: the trainer
 
 
 def finish(work, tensor, weight_sync_timeout):
@@ -174,10 +164,7 @@ def unpack(buffer: torch.Tensor, params):
     return out
 
 
-# -----------------------------------------------------------------------------
-# the client
-
-
+# -- the client ------------------------------------------------------------------------------------
 class ServerError(Exception):
     """The server answered with an error; `status` is the HTTP code, the message is the server's."""
 
@@ -340,13 +327,13 @@ class Client:
     # -- weight sync (the trainer is rank 0) ----------------------------------
 
     def init_communicator(self, transport=None, host="127.0.0.1", device=None, weight_sync_timeout=60.0):
-        """Set up weight sync with the server's workers. `device` is where the trainer's tensors
-        are (default: CUDA if available). `transport` (default: chosen from the device):
-          ipc   the trainer is on the server's own GPU: the workers open CUDA IPC handles of our buffer
-          nccl  the trainer is on another GPU: we host an NCCL group at `host`:<the server's group port>
-          gloo  anything else (a CPU trainer): the same over gloo, through CPU buffers on both sides
-        `host` is the address of this machine as the server's workers reach it. `weight_sync_timeout`:
-        seconds our side of the group waits for the workers (the server has its own, same-named flag)."""
+        """Set up weight sync with the server's workers. `device`: where the trainer's tensors are
+        (default: CUDA if available). `transport` (default: chosen from the device):
+          ipc   on the server's own GPU: the workers open CUDA IPC handles of our buffer
+          nccl  on another GPU: we host an NCCL group at `host`:<the server's group port>
+          gloo  on the CPU: the same over gloo
+        `host`: this machine's address as the workers reach it. `weight_sync_timeout`: seconds our
+        side of the group waits for the workers (the server has its own, same-named flag)."""
         self._drop_group()
         info = self.health()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -355,16 +342,13 @@ class Client:
         if transport is None:
             same_gpu = self.device.type == "cuda" and device_uuid(self.device) in info["gpus"]
             transport = "ipc" if same_gpu else "nccl" if self.device.type == "cuda" else "gloo"
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport != "gloo" and self.device.type != "cuda":
-            raise ValueError(f"transport {transport} needs the trainer's tensors on CUDA, not {self.device}")
-        if transport == "gloo":
-            self.device = torch.device("cpu")  # gloo sends from CPU buffers
+        if transport not in TRANSPORTS or (transport != "gloo" and self.device.type != "cuda"):
+            raise ValueError(f"transport must be one of {TRANSPORTS}, and ipc or nccl need the trainer on CUDA; "
+                             f"got {transport!r} on {self.device}")
+        self.device = torch.device("cpu") if transport == "gloo" else self.device  # gloo sends from CPU buffers
         body = {"transport": transport}
         if transport == "ipc":
-            body["gpu"] = device_uuid(self.device)
-            answer = self._request("POST", "/init_communicator", body)
+            answer = self._request("POST", "/init_communicator", body | {"gpu": device_uuid(self.device)})
         else:  # the server's workers join while we host the group's store (rank 0)
             body |= {"host": host, "world_size": 1 + info["workers"]}
             with ThreadPoolExecutor(1) as pool:
@@ -400,15 +384,11 @@ class Client:
 
     def update_model_params(self, model, bucket_mb=32):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version. Tied weights are sent once; tensors are cast to the server's dtype.
-
-        Two phases: POST /update_weights announces every tensor (name, dtype, shape, offset in
-        its bucket) and answers once the server has drained generation and its workers are
-        receiving; only then do we send, so a slow drain cannot time our sends out. The result
-        (the new version) is then collected like any other future.
-          ipc: one buffer holding every tensor; the workers copy straight out of it.
-          nccl/gloo: buckets of at most `bucket_mb` MiB, one broadcast each, through two buffers
-          that alternate, so the next bucket is packed while one travels."""
+        weight version. Tied weights are sent once, cast to the server's dtype. Two phases: POST
+        /update_weights announces every tensor (name, dtype, shape, offset in its bucket) and answers
+        once the server has drained and its workers are receiving; only then do we send, so a slow
+        drain cannot time our sends out. ipc: one buffer the workers copy from; nccl/gloo: buckets of
+        at most `bucket_mb` MiB, through two alternating buffers (one is packed while one travels)."""
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
@@ -461,11 +441,7 @@ class Client:
         return named
 
 
-
-# -----------------------------------------------------------------------------
-# a local server process, for the demo, the tests and the benchmarks
-
-
+# -- a local server process, for the demo, the tests and the benchmarks ----------------------------
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

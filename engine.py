@@ -3,15 +3,11 @@
     engine = await Engine.start(engine_args("path/or/hub-id"))   # inside a running loop
     [[c0, c1, ...]] = await engine.generate(["2+2="], SamplingParams(n=8))
 
-In reading order:
-1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
-   it. `update_weights` closes the gate to new requests, drains the ones in flight, loads the new
-   weights in the workers, resets the prefix cache, bumps the version and reopens the gate, so no
-   completion ever mixes two versions.
-2. `WeightSyncWorker`: the worker side of an update, running inside vLLM's worker processes.
-3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same engine.
-4. `tiny_model()`: the small model that tests and the demo use, since nothing is downloaded.
-Every call into vLLM that may change between releases is one small function next to its user.
+In reading order: 1. `Engine`: requests become futures; every `Completion` carries the weight
+`version` that produced it; `update_weights` closes the gate, drains, loads, bumps the version and
+reopens, so no completion mixes two versions. 2. `WeightSyncWorker`: the worker side of an update.
+3. `RolloutEngine`: multi-turn tool episodes on the same engine. 4. `tiny_model()`: the model the
+tests and the demo use. Each vLLM call that may change between releases is one small function.
 """
 import ast
 import asyncio
@@ -34,10 +30,7 @@ TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cach
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # the tiny model's vocabulary: printable ASCII
 
 
-# -----------------------------------------------------------------------------
-# the engine
-
-
+# -- the engine ------------------------------------------------------------------------------------
 class Engine:
     """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
 
@@ -57,16 +50,11 @@ class Engine:
     @property
     def error(self) -> str | None:
         """Why the engine can no longer serve, if it cannot."""
-        if self.load_error:
-            return self.load_error
-        return "vLLM's engine core died (see the server log)" if self.llm.errored else None
+        return self.load_error or ("vLLM's engine core died (see the server log)" if self.llm.errored else None)
 
     @classmethod
     async def start(cls, args: AsyncEngineArgs) -> "Engine":
         return cls(AsyncLLM.from_engine_args(args), args)
-
-    def shutdown(self):
-        self.llm.shutdown()
 
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
@@ -94,21 +82,17 @@ class Engine:
                  for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     async def _one(self, prompt, params, priority):
-        final = None
-        async for final in self.llm.generate(as_prompt(prompt), params, request_id=uuid.uuid4().hex, priority=priority):
+        prompt = {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
+        async for final in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, priority=priority):
             pass  # FINAL_ONLY: the one output is the finished request with all n completions
         return final
 
     async def update_weights(self, buckets, weight_sync_timeout=60.0, drain_timeout=60.0, ready=None):
         """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
-        version. `ready` (a future) is resolved once generation has drained and the workers are
-        told to receive: the trainer may start sending. Returns the new version and the timings.
-
-        If the drain takes longer than `drain_timeout`, nothing happens (TimeoutError). If
-        receiving fails, the old weights stay (workers load only after receiving everything), the
-        version stays, and generation resumes. If loading fails part-way, the weights are neither
-        old nor new: the engine marks itself failed (`self.error`) and refuses requests.
-        """
+        version; returns it and the workers' timings. `ready` (a future) is resolved once the workers
+        are told to receive: the trainer may send. A drain longer than `drain_timeout` changes nothing
+        (TimeoutError); a failed receive keeps the old weights and version; a load that fails part-way
+        leaves mixed weights, so the engine marks itself failed (`self.error`) and refuses requests."""
         async with self.update_lock:
             self.gate.clear()  # new requests wait at the gate
             try:
@@ -147,10 +131,7 @@ class Engine:
         return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
 
 
-# -----------------------------------------------------------------------------
-# the vLLM calls that may change between releases, one small function each
-
-
+# -- the vLLM calls that may change between releases, one small function each ----------------------
 def engine_args(model, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.9, tensor_parallel_size=1,
                 data_parallel_size=1, seed=0, enforce_eager=None, kv_cache_memory_bytes=None, max_num_seqs=None):
     """AsyncEngineArgs for our engine: priority scheduling, our worker extension, explicit dtype."""
@@ -186,20 +167,11 @@ def check_encodable(params: SamplingParams):
 
 def top_k(logprobs, k):
     """With sampling `logprobs` k > 0: per position, the k likeliest tokens as [{token, logprob}]."""
-    if not k:
-        return None
     return [[{"token": x.decoded_token, "logprob": x.logprob} for x in sorted(lp.values(), key=lambda x: x.rank)[:k]]
-            for lp in logprobs]
+            for lp in logprobs] if k else None
 
 
-def as_prompt(prompt):
-    return {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
-
-
-# -----------------------------------------------------------------------------
-# the worker side of weight sync: runs inside each vLLM worker process
-
-
+# -- the worker side of weight sync: runs inside each vLLM worker process --------------------------
 class WeightSyncWorker:
     """Mixed into vLLM's worker class (`worker_extension_cls`). Every method here runs inside
     vLLM's worker processes, not in the server's: the server calls it through `collective_rpc`
@@ -212,12 +184,9 @@ class WeightSyncWorker:
 
     transport, group, ipc_buffers = None, None, []
 
-    def init_communicator(self, transport, host, port, world_size, weight_sync_timeout, gpu=None):
+    def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()
-        if transport == "ipc":
-            if gpu != device_uuid(self.device):
-                raise ValueError(f"ipc needs the trainer on the server's GPU {device_uuid(self.device)}, not {gpu}")
-        else:
+        if transport != "ipc":  # ipc needs no group: the server checked that the trainer is on our GPU
             self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, weight_sync_timeout,
                                       self.device)
         self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
@@ -228,21 +197,15 @@ class WeightSyncWorker:
         self.transport, self.group, self.ipc_buffers = None, None, []
 
     def receive_weights(self, buckets):
-        """Receive every bucket, then load them all at once.
-
-        Loading only after the last bucket arrived means a trainer that dies mid-transfer
-        leaves the old weights in place; on such a failure the group is dropped (the trainer
-        must init_communicator again) and the error propagates. A failure *while loading*
-        is returned as {"load_error": ...}: the engine then knows its weights are mixed.
-        """
+        """Receive every bucket, then load them all at once: a trainer that dies mid-transfer leaves
+        the old weights (the group is dropped and the error raised). A failure *while loading* is
+        returned as {"load_error": ...}: the engine then knows its weights are mixed."""
         start = time.perf_counter()
         try:
             received = []
-            if self.transport == "ipc":  # views straight into the trainer's buffer, on this GPU
-                buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-                self.ipc_buffers = buffers  # keep them open: the next update reuses the handles
-                for buffer, b in zip(buffers, buckets):
-                    received += unpack(buffer, b["params"])
+            if self.transport == "ipc":  # views straight into the trainer's buffer, on this GPU, kept open for the next update
+                self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
+                received = [w for buffer, b in zip(self.ipc_buffers, buckets) for w in unpack(buffer, b["params"])]
             else:
                 for b in buckets:
                     buffer = torch.empty(b["size"], dtype=torch.uint8, device="cpu" if self.transport == "gloo" else self.device)
@@ -272,10 +235,7 @@ class WeightSyncWorker:
         return device_uuid(self.device) if self.device.type == "cuda" else None
 
 
-# -----------------------------------------------------------------------------
-# the worker-side vLLM calls that differ between releases and platforms, one place
-
-
+# -- the worker-side vLLM calls that differ between releases and platforms, one place --------------
 def weight_rank(vllm_config):
     """This worker's rank in the weight group: the trainer is 0, then every worker of data-
     parallel replica 0, of replica 1, ... Within a replica, vLLM's world group ranks workers
@@ -306,9 +266,7 @@ def load_weights(model_runner, weights):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-# -----------------------------------------------------------------------------
-# multi-turn tool episodes: generate -> tool call -> generate -> ...
-
+# -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -430,10 +388,7 @@ class RolloutEngine:
         return [episodes[i:i + params.n] for i in range(0, len(episodes), params.n)]
 
 
-# -----------------------------------------------------------------------------
-# the built-in tiny model
-
-
+# -- the built-in tiny model -----------------------------------------------------------------------
 def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
     """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder.
 

@@ -62,76 +62,65 @@ METRICS = web.AppKey("metrics", dict)
 
 
 class ApiError(web.HTTPException):
-    """Raised anywhere in a route: answers `status` with {"error": message}."""
+    """Raised anywhere in a route: answers `status` with {"error": message} (see `errors`)."""
 
     def __init__(self, status, message):
-        self.status_code = status
-        super().__init__(text=json.dumps({"error": message}), content_type="application/json")
+        self.status_code, self.message = status, message
+        super().__init__()
 
 
-def BadRequest(message):  # noqa: N802 (raised like the exception classes it stands for)
-    return ApiError(400, message)
-
-
-def error(status, message):
-    return web.json_response({"error": message}, status=status)
-
-
-# -----------------------------------------------------------------------------
-# validation: turn a JSON body into engine arguments, or raise BadRequest
-
-
+# -- validation: turn a JSON body into engine arguments, or answer 400 -----------------------
 async def read_json(request) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not UTF-8 JSON: {e}") from None
+        raise ApiError(400, f"body is not UTF-8 JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
+        raise ApiError(400, "body must be a JSON object")
     return body
 
 
 def check_type(name, value, kind):
     kinds = (int, float) if kind is float else kind  # JSON's 1 is a fine float; true is not a number
     if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
-        raise BadRequest(f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
+        raise ApiError(400, f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
     if kind is float and not math.isfinite(value):  # Python's json reads NaN and Infinity
-        raise BadRequest(f"'{name}' must be a finite number")
+        raise ApiError(400, f"'{name}' must be a finite number")
 
 
 def check_list(name, value, kind):
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
-        raise BadRequest(f"'{name}' must be a list of {kind.__name__}")
+        raise ApiError(400, f"'{name}' must be a list of {kind.__name__}")
 
 
 def get(body, name, kind, default=None, low=None, high=None, flag=""):
-    """body[name] (or `default`), checked to be a `kind` (and within [low, high]), or BadRequest."""
+    """body[name] (or `default`), checked to be a `kind` (and within [low, high]), or a 400."""
     value = body.get(name, default)
     check_type(name, value, kind)
     if low is not None and not low <= value <= high:
-        raise BadRequest(f"'{name}' must be between {low} and {high}{flag}")
+        raise ApiError(400, f"'{name}' must be between {low} and {high}{flag}")
     return value
 
 
 def parse_prompts(body, state) -> list:
     prompts, vocab_size = body.get("prompts"), state.vocab_size
     if not isinstance(prompts, list) or not prompts:
-        raise BadRequest("'prompts' must be a non-empty list of strings or of token-id lists")
+        raise ApiError(400, "'prompts' must be a non-empty list of strings or of token-id lists")
     for p in prompts:
         if isinstance(p, str) and p:
             continue
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
             continue
-        raise BadRequest(f"each prompt must be a non-empty string or a list of token ids in [0, {vocab_size}); got {str(p)[:80]}")
+        raise ApiError(400, f"each prompt must be a non-empty string or a list of token ids in [0, {vocab_size}); got {str(p)[:80]}")
     return prompts
 
 
 def parse_sampling(body, state, extra=()) -> SamplingParams:
-    """SamplingParams from the body's fields, within the server's caps, or BadRequest."""
+    """SamplingParams from the body's fields, within the server's caps, or a 400."""
     known = set(SAMPLING_FIELDS) | {"prompts", "priority"} | set(extra)
     unknown = sorted(set(body) - known)
     if unknown:
-        raise BadRequest(f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
+        raise ApiError(400, f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     for k, v in fields.items():
         if k == "stop" and isinstance(v, str):
@@ -141,12 +130,12 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
     get(fields, "max_tokens", int, 16, 1, opts.max_model_len, " (--max-model-len)")
     sequences = n * len(body.get("prompts") or [])
     if sequences > opts.max_request_seqs:
-        raise BadRequest(f"{sequences} sequences (prompts x n) in one request; at most {opts.max_request_seqs} (--max-request-seqs)")
+        raise ApiError(400, f"{sequences} sequences (prompts x n) in one request; at most {opts.max_request_seqs} (--max-request-seqs)")
     try:
         params = SamplingParams(**fields)
         check_encodable(params)  # the last guard: what the engine's input thread could not decode never reaches it
     except Exception as e:  # vLLM's validation errors (their class changes between releases)
-        raise BadRequest(f"invalid sampling parameters: {e}") from None
+        raise ApiError(400, f"invalid sampling parameters: {e}") from None
     return params
 
 
@@ -155,10 +144,7 @@ def args_key(body) -> str:
     return json.dumps({k: v for k, v in body.items() if k not in ("request_id", "timeout")}, sort_keys=True)
 
 
-# -----------------------------------------------------------------------------
-# the futures table: request id -> (task, its arguments' key), oldest first
-
-
+# -- the futures table: request id -> (task, its arguments' key), oldest first ---------------------
 def submit(app, body, work) -> str:
     """Start `work` (a coroutine or task) under a new id, remembering its arguments. Once it is
     done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
@@ -183,10 +169,10 @@ def claim(app, body) -> str | None:
     return request_id
 
 
-def forget(app, request_id):
-    """Drop a request (fetched, aborted or expired)."""
-    app[STATE].tasks.pop(request_id, None)
+def forget(app, request_id) -> asyncio.Task:
+    """Drop a request (fetched, aborted or expired); returns its task."""
     app[STATE].claimed.discard(request_id)
+    return app[STATE].tasks.pop(request_id)[0]
 
 
 def expire(app, request_id):
@@ -195,10 +181,7 @@ def expire(app, request_id):
         app[METRICS]["expired"].inc()
 
 
-# -----------------------------------------------------------------------------
-# routes
-
-
+# -- routes ----------------------------------------------------------------------------------------
 async def health(request):
     """200 while the engine can serve; 503 with the reason once it cannot."""
     engine, state = request.app[ENGINE], request.app[STATE]
@@ -270,10 +253,10 @@ async def rollout(request):
     if tools is not None:
         check_list("tools", tools, str)
         if not set(tools) <= set(app[ROLLOUT].tool_names):
-            raise BadRequest(f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}")
+            raise ApiError(400, f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}")
     tags = [get(body, n, str) if body.get(n) is not None else None for n in ("call_start", "call_end")]  # None: the defaults
     if "" in tags:
-        raise BadRequest("'call_start' and 'call_end' must be non-empty strings")
+        raise ApiError(400, "'call_start' and 'call_end' must be non-empty strings")
     work = when_ready(app, min_version, lambda: run_rollout(app, prompts, params, max_turns, budget, tools, *tags))
     return web.json_response({"request_id": submit(app, body, work)}, status=202)
 
@@ -286,14 +269,12 @@ async def get_future(request):
     claimed = None  # a request held by this caller, asking by arguments
     if "request_ids" in body:  # as completed: the trainer takes groups in the order they finish
         check_list("request_ids", body["request_ids"], str)
-        ids = [i for i in body["request_ids"] if i in state.tasks]
-    elif "request_id" in body:
-        ids = [i for i in [get(body, "request_id", str)] if i in state.tasks]
+        ids = body["request_ids"]
     else:
-        claimed = claim(request.app, body)
-        ids = [claimed] if claimed else []
+        ids = [get(body, "request_id", str)] if "request_id" in body else [claimed := claim(request.app, body)]
+    ids = [i for i in ids if i in state.tasks]
     if not ids:
-        return error(404, "no such request: unknown request_id; already fetched, aborted or expired; "
+        raise ApiError(404, "no such request: unknown request_id; already fetched, aborted or expired; "
                           "or no request with these arguments")
     try:
         done, _ = await asyncio.wait([state.tasks[i][0] for i in ids], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -301,19 +282,14 @@ async def get_future(request):
         if claimed and not (claimed in state.tasks and state.tasks[claimed][0].done()):
             state.claimed.discard(claimed)  # timed out, or the caller went away: the next caller may claim it
     if not done:
-        return error(408, f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again")
+        raise ApiError(408, f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again")
     finished = [i for i in ids if i in state.tasks and state.tasks[i][0] in done]
-    for request_id in finished:  # a failure is answered alone; the others stay to be fetched
-        task = state.tasks[request_id][0]
-        if task.cancelled() or task.exception() is not None:
-            forget(request.app, request_id)
-            if task.cancelled():
-                return error(404, f"request {request_id} was aborted")
-            # the engine refused it (e.g. a prompt longer than max_model_len)
-            return error(503 if request.app[ENGINE].error else 422, f"request {request_id} failed: {task.exception()}")
-    results = [{"request_id": i, **state.tasks[i][0].result()} for i in finished]
-    for request_id in finished:
-        forget(request.app, request_id)
+    for i in finished:  # a failure is answered alone; the others stay to be fetched
+        if (task := state.tasks[i][0]).cancelled() or task.exception():
+            forget(request.app, i)  # the engine refused it, e.g. a prompt longer than --max-model-len
+            raise ApiError(404, f"request {i} was aborted") if task.cancelled() else ApiError(
+                503 if request.app[ENGINE].error else 422, f"request {i} failed: {task.exception()}")
+    results = [{"request_id": i, **forget(request.app, i).result()} for i in finished]
     if "request_ids" in body:  # every one of them that is done: fewer round trips
         return web.json_response({"results": results})
     return web.json_response(results[0])
@@ -324,9 +300,8 @@ async def abort(request):
     body = await read_json(request)
     request_id = get(body, "request_id", str)
     if request_id not in request.app[STATE].tasks:
-        return error(404, f"no such request {request_id}")
-    request.app[STATE].tasks[request_id][0].cancel()
-    forget(request.app, request_id)
+        raise ApiError(404, f"no such request {request_id}")
+    forget(request.app, request_id).cancel()
     return web.json_response({"aborted": request_id})
 
 
@@ -337,25 +312,25 @@ async def init_communicator(request):
     engine, state = request.app[ENGINE], request.app[STATE]
     transport, weight_sync_timeout, workers = body.get("transport", "gloo"), state.opts.weight_sync_timeout, state.workers
     if not isinstance(transport, str) or transport not in TRANSPORTS:
-        raise BadRequest(f"'transport' must be one of {list(TRANSPORTS)}")
+        raise ApiError(400, f"'transport' must be one of {list(TRANSPORTS)}")
     if transport != "gloo" and not any(state.gpus):
-        raise BadRequest(f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo")
+        raise ApiError(400, f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo")
     if transport == "ipc":
         get(body, "gpu", str)
         if workers != 1:
-            raise BadRequest(f"ipc needs a server on one GPU; this one has {workers} workers: use nccl")
+            raise ApiError(400, f"ipc needs a server on one GPU; this one has {workers} workers: use nccl")
         if body["gpu"] not in state.gpus:
-            raise BadRequest(f"ipc needs the trainer on the server's GPU {state.gpus[0]}; the trainer's is {body['gpu']}")
+            raise ApiError(400, f"ipc needs the trainer on the server's GPU {state.gpus[0]}; the trainer's is {body['gpu']}")
         host, world_size = None, None
     else:
         host, world_size = get(body, "host", str), get(body, "world_size", int)
         if world_size != 1 + workers:
-            raise BadRequest(f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
+            raise ApiError(400, f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}")
     try:
         await engine.rpc("init_communicator", transport, host, state.opts.group_port, world_size, weight_sync_timeout,
-                         body.get("gpu"), timeout=weight_sync_timeout + 10)
+                         timeout=weight_sync_timeout + 10)
     except Exception as e:
-        return error(504, f"could not set up {transport} weight sync (group at {host}:{state.opts.group_port}): {e!r}")
+        raise ApiError(504, f"could not set up {transport} weight sync (group at {host}:{state.opts.group_port}): {e!r}")
     state.transport = transport
     return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
 
@@ -367,38 +342,38 @@ IPC_HANDLE = {"offset": int, "device": int, "handle": str, "storage_bytes": int,
 def check_buckets(buckets, spec, dtype, transport):
     """Reject an update announcement before anything is received or loaded."""
     if not isinstance(buckets, list) or not buckets:
-        raise BadRequest("'buckets' must be a non-empty list of {size, params}")
+        raise ApiError(400, "'buckets' must be a non-empty list of {size, params}")
     seen = set()
     for b in buckets:
         if not isinstance(b, dict) or not isinstance(b.get("size"), int) or not isinstance(b.get("params"), list):
-            raise BadRequest("each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
+            raise ApiError(400, "each bucket must be {size: int, params: [{name, dtype, shape, offset}]}")
         end = 0  # tensors lie in the bucket in order, without overlapping
         for p in b["params"]:
             if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"} or not isinstance(p["name"], str):
-                raise BadRequest("each param must be {name: str, dtype, shape, offset}")
+                raise ApiError(400, "each param must be {name: str, dtype, shape, offset}")
             name = p["name"]
             if name not in spec:
-                raise BadRequest(f"unknown parameter '{name}'")
+                raise ApiError(400, f"unknown parameter '{name}'")
             if name in seen:
-                raise BadRequest(f"parameter '{name}' sent twice")
+                raise ApiError(400, f"parameter '{name}' sent twice")
             seen.add(name)
             if p["shape"] != spec[name]:
-                raise BadRequest(f"'{name}' has shape {p['shape']}, the model's is {spec[name]}")
+                raise ApiError(400, f"'{name}' has shape {p['shape']}, the model's is {spec[name]}")
             if p["dtype"] != dtype:
-                raise BadRequest(f"'{name}' has dtype {p['dtype']}, the server runs {dtype}")
+                raise ApiError(400, f"'{name}' has dtype {p['dtype']}, the server runs {dtype}")
             nbytes = DTYPES[dtype].itemsize * math.prod(p["shape"])
             if not isinstance(p["offset"], int) or p["offset"] < end or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
-                raise BadRequest(f"'{name}' at offset {p['offset']} overlaps or does not fit its bucket of {b['size']} bytes")
+                raise ApiError(400, f"'{name}' at offset {p['offset']} overlaps or does not fit its bucket of {b['size']} bytes")
             end = p["offset"] + nbytes
         handle = b.get("handle")
         if (handle is not None) != (transport == "ipc"):
-            raise BadRequest("with the ipc transport each bucket carries a 'handle', with nccl and gloo none")
+            raise ApiError(400, "with the ipc transport each bucket carries a 'handle', with nccl and gloo none")
         if handle is not None and (not isinstance(handle, dict) or set(handle) != set(IPC_HANDLE)
                                    or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())):
-            raise BadRequest(f"'handle' must be {{{', '.join(IPC_HANDLE)}}} as client.share_cuda makes it")
+            raise ApiError(400, f"'handle' must be {{{', '.join(IPC_HANDLE)}}} as client.share_cuda makes it")
     if seen != set(spec):  # vLLM reloads whole (fused) layers: a partial update would load garbage
         missing = sorted(set(spec) - seen)
-        raise BadRequest(f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")
+        raise ApiError(400, f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")
 
 
 async def update_weights(request):
@@ -409,12 +384,12 @@ async def update_weights(request):
     engine, state = request.app[ENGINE], request.app[STATE]
     check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
     if not state.transport:
-        return error(409, "no weight sync set up: call /init_communicator first")
+        raise ApiError(409, "no weight sync set up: call /init_communicator first")
     ready = asyncio.get_running_loop().create_future()
     task = asyncio.ensure_future(run_update(request.app, body["buckets"], ready))
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():  # failed before the workers were told to receive: nothing was sent or changed
-        return error(503, f"weight update refused, version {engine.version} kept: {task.exception()}")
+        raise ApiError(503, f"weight update refused, version {engine.version} kept: {task.exception()}")
     return web.json_response({"request_id": submit(request.app, body, task)}, status=202)
 
 
@@ -447,12 +422,10 @@ async def metrics(request):
     return web.Response(body=prom.generate_latest(m["registry"]), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
 
 
-# -----------------------------------------------------------------------------
-# the OpenAI-compatible face: /v1/models, /v1/completions, /v1/chat/completions, /v1/sessions/<id>.
+# -- the OpenAI-compatible face: /v1/models, /v1/completions, /v1/chat/completions, /v1/sessions/<id>. ---
 # Every answer carries its tokens (prompt_token_ids; per choice token_ids) and weight_version, and
 # calls sent with an X-Session-ID header are recorded, so that an agent written against the OpenAI
 # client can be trained on exactly what it sampled.
-
 OPENAI_SAMPLING = {"n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty", "frequency_penalty"}
 OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "logprobs", "top_logprobs", "stream", "user"}
 
@@ -468,18 +441,18 @@ async def openai_completion(request):
     body, state, engine, chat = await read_json(request), request.app[STATE], request.app[ENGINE], request.path.endswith("chat/completions")
     unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
     if unknown:
-        raise BadRequest(f"unsupported fields {unknown}")
+        raise ApiError(400, f"unsupported fields {unknown}")
     if body.get("model") != engine.args.model:
         raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves {engine.args.model!r} (see /v1/models)")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} with string content")
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} with string content")
         try:
             text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # no template, or one that refuses these roles
-            raise BadRequest(f"the model's chat template cannot render these messages: {e}") from None
+            raise ApiError(400, f"the model's chat template cannot render these messages: {e}") from None
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)  # one prompt: a string or token ids
@@ -579,35 +552,19 @@ async def session(request):
     return web.json_response({"calls": calls, "episode": episode, "reason": reason})
 
 
+# -- the app ---------------------------------------------------------------------------------------
 @web.middleware
-async def openai_errors(request, handler):
-    """Errors of the /v1 routes in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-    try:
-        response = await handler(request)
-    except web.HTTPException as e:
-        if not request.path.startswith("/v1/"):
-            raise
-        response = e
-    if request.path.startswith("/v1/") and response.status >= 400:
-        message = json.loads(response.text)["error"]
-        return web.json_response({"error": {"message": message, "type": "invalid_request_error" if response.status < 500
-                                            else "server_error", "param": None, "code": response.status}}, status=response.status)
-    return response
-
-
-# -----------------------------------------------------------------------------
-# the app
-
-
-@web.middleware
-async def json_errors(request, handler):
-    """Every HTTP error (413 too large, 405, 404 route) answers as JSON {"error": ...}."""
+async def errors(request, handler):
+    """Every error, ours and aiohttp's (413 too large, 405, 404 route), as JSON {"error": message};
+    on the /v1 routes in OpenAI's shape, {"error": {"message", "type", "param", "code"}}."""
     try:
         return await handler(request)
     except web.HTTPException as e:
-        if e.content_type == "application/json":
-            raise
-        return error(e.status, e.reason if e.text is None or e.text.startswith(str(e.status)) else e.text)
+        message = e.message if isinstance(e, ApiError) else e.reason if not e.text or e.text.startswith(str(e.status)) else e.text
+        if request.path.startswith("/v1/"):
+            message = {"message": message, "type": "invalid_request_error" if e.status < 500 else "server_error",
+                       "param": None, "code": e.status}
+        return web.json_response({"error": message}, status=e.status)
 
 
 @web.middleware
@@ -616,7 +573,7 @@ async def check_key(request, handler):
     key = request.app[STATE].opts.api_key
     if key and request.path not in ("/health", "/metrics") and \
             not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}"):
-        return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     return await handler(request)
 
 
@@ -647,7 +604,7 @@ async def watch_engine(app):
 def make_app(args, opts) -> web.Application:
     """The server for AsyncEngineArgs `args` and flags `opts` (parse_args): the engine starts with
     the app and stops with it."""
-    app = web.Application(client_max_size=opts.max_body_mb << 20, middlewares=[openai_errors, json_errors, check_key])
+    app = web.Application(client_max_size=opts.max_body_mb << 20, middlewares=[errors, check_key])
     app[STATE] = state = State(opts)
     app[METRICS] = make_metrics()
 
@@ -668,7 +625,7 @@ def make_app(args, opts) -> web.Application:
         for task, _ in state.tasks.values():
             task.cancel()
         await app[ROLLOUT].close()
-        engine.shutdown()
+        engine.llm.shutdown()
 
     app.cleanup_ctx.append(engine_ctx)
     for method, path, handler in ROUTES:

@@ -42,19 +42,15 @@ def flag(default, help, choices=None):
 class Config:
     # model and data
     model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
-    dataset: str = flag("", "jsonl of {prompt, answer}; reward 1 if the last number in the completion equals answer "
-                            "(default: built-in addition)")
+    dataset: str = flag("", "jsonl of {prompt, answer}: reward 1 if the completion's last number is the answer")
     task: str = flag("addition", "addition: one completion per sample; calculator: multi-turn episodes that may call the "
                                  "'calc' tool (trained with their loss mask)", ["addition", "calculator"])
     max_turns: int = flag(3, "calculator task: model turns per episode")
     dtype: str = flag("float32", "dtype of the served weights (the trainer keeps float32)")
     server_url: str = flag("", "a running server.py (default: start one on the model)")
-    device: str = flag("cpu", "trainer device: cpu (weights go over gloo), cuda (over CUDA IPC if the server is on the "
-                              "same GPU, else NCCL)")
-    trainer_host: str = flag("127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo weight "
-                                          "sync with a server elsewhere)")
-    gpu_memory_utilization: float = flag(0.3, "GPU only: the fraction of the GPU the server train.py starts may take; "
-                                              "the trainer uses the rest")
+    device: str = flag("cpu", "trainer device: cpu (weights over gloo), cuda (CUDA IPC on the server's GPU, else NCCL)")
+    trainer_host: str = flag("127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo)")
+    gpu_memory_utilization: float = flag(0.3, "the GPU share of the server train.py starts; the trainer uses the rest")
     out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
     # GRPO
     steps: int = flag(120, "optimizer steps")
@@ -66,8 +62,7 @@ class Config:
     lr: float = flag(1e-3, "AdamW learning rate")
     max_grad_norm: float = flag(1.0, "gradient clipping")
     # memory: none of these changes the gradient, only how it is computed
-    train_micro_batch: int = flag(0, "sequences per forward/backward (0: a whole micro-batch at once); independent "
-                                     "of --micro-batches")
+    train_micro_batch: int = flag(0, "sequences per forward/backward (0: a whole micro-batch of --micro-batches)")
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
     # the schedule: when the trainer gets which samples
@@ -89,18 +84,16 @@ class Config:
     seed: int = flag(0, "seed for data, sampling and init")
 
     def __post_init__(self):
-        if min(self.steps, self.micro_batches, self.max_tokens, self.max_turns) < 1 or self.train_micro_batch < 0:
-            raise ValueError("steps, micro_batches, max_tokens and max_turns must be >= 1, train_micro_batch >= 0")
-        if self.prompts_per_step % self.micro_batches:
-            raise ValueError("prompts_per_step must be divisible by micro_batches")
-        if min(self.eval_every, self.eval_prompts - 1, self.eval_n - 1) < 0:
-            raise ValueError("eval_every must be >= 0, eval_prompts and eval_n >= 1")
-        if self.max_staleness not in (0, 1):
-            raise ValueError("max_staleness must be 0 or 1")
-        if self.group_size < 2:
-            raise ValueError("GRPO needs at least 2 completions per prompt (group_size >= 2)")
-        if self.dataset and not os.path.exists(self.dataset):
-            raise ValueError(f"no dataset file {self.dataset}")
+        for wrong, why in [
+            (min(self.steps, self.micro_batches, self.max_tokens, self.max_turns, self.eval_prompts, self.eval_n) < 1,
+             "steps, micro_batches, max_tokens, max_turns, eval_prompts and eval_n must be >= 1"),
+            (min(self.train_micro_batch, self.eval_every) < 0, "train_micro_batch and eval_every must be >= 0"),
+            (self.prompts_per_step % self.micro_batches, "prompts_per_step must be divisible by micro_batches"),
+            (self.max_staleness not in (0, 1), "max_staleness must be 0 or 1"),
+            (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
+            (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}")]:
+            if wrong:
+                raise ValueError(why)
 
     @property
     def micro_batch_seqs(self):
@@ -111,21 +104,15 @@ class Config:
 def parse_config(argv=None) -> Config:
     p = argparse.ArgumentParser(description="GRPO with asynchronous rollouts (see the module docstring).")
     for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-            continue
-        p.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices"))
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": type(f.default), "choices": f.metadata["choices"]}
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind)
     try:
         return Config(**vars(p.parse_args(argv)))
     except ValueError as e:
         p.error(str(e))
 
 
-# -----------------------------------------------------------------------------
-# data and reward
-
-
+# -- data and reward -------------------------------------------------------------------------------
 def addition_data(n, seed, digits=5):
     """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
     rng = random.Random(seed)
@@ -135,11 +122,8 @@ def addition_data(n, seed, digits=5):
 def calculator_data(n, seed):
     """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        q = f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}"
-        rows.append({"prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n", "answer": str(eval(q))})
-    return rows
+    qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
+    return [{"prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n", "answer": str(eval(q))} for q in qs]
 
 
 def load_data(cfg):
@@ -194,10 +178,7 @@ def warm_start(base, path, steps, seed):
     return path
 
 
-# -----------------------------------------------------------------------------
-# GRPO: advantages and the policy-gradient loss
-
-
+# -- GRPO: advantages and the policy-gradient loss -------------------------------------------------
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """(prompts, G) rewards -> advantages normalised within each group; equal rewards -> 0."""
     mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
@@ -222,14 +203,11 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
-    """(B, T-1): log p(token t+1 | tokens <= t) under the model at the sampling temperature: the
-    distribution the server sampled from is softmax(logits / temperature).
-
-    The vocabulary-sized logits never exist for the whole batch: the final hidden states go
-    through the output layer `chunk_tokens` positions at a time, each chunk's logprob is the
-    target's logit minus the logsumexp (fp32 within the chunk), and each chunk is recomputed in
-    backward instead of kept (checkpoint). The result and its gradient are those of one big
-    log_softmax (a test checks), at a fraction of the memory: for a 150k vocabulary, 64 x 600
+    """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature: the server sampled from
+    softmax(logits / temperature). The vocabulary-sized logits never exist for the whole batch: the
+    hidden states go through the output layer `chunk_tokens` positions at a time (the target's logit
+    minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in backward (checkpoint).
+    Value and gradient equal one big log_softmax's (a test checks); for a 150k vocabulary, 64 x 600
     tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
     ids = batch["input_ids"].to(model.device)
     hidden = model.base_model(input_ids=ids, attention_mask=batch["attention"].to(model.device)).last_hidden_state
@@ -246,13 +224,11 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
 
 
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
-    """The policy-gradient loss, summed over completion tokens: -w * A * log p(token).
-
+    """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
     logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
-    sampled; advantages (B,); mask (B, T); stale (B,) True for samples from older weights. On-
-    policy samples have w = 1 exactly. Stale ones get truncated importance sampling (TIS):
-    w = min(p / p_old, is_cap) per token, a constant (no gradient through it). Returns the loss
-    and w. The caller divides the step's summed gradient by its number of completion tokens."""
+    sampled; advantages (B,); mask (B, T); stale (B,) True for samples from older weights. w = 1
+    on-policy; stale samples get truncated importance sampling (TIS): w = min(p / p_old, is_cap)
+    per token, without gradient. The caller divides the step's gradient by its completion tokens."""
     ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
     w = torch.where(stale[:, None], ratio, torch.ones_like(ratio))
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
@@ -270,10 +246,7 @@ def sequence(row, sample, tok, partial=False):
             "reward": reward(sample.text, row["answer"], partial), "versions": [sample.version]}
 
 
-# -----------------------------------------------------------------------------
-# the schedules: submit() sends a step's prompts, collect() hands them to the trainer
-
-
+# -- the schedules: submit() sends a step's prompts, collect() hands them to the trainer -----------
 def requester(client, cfg):
     """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
     if cfg.task == "calculator":
@@ -326,10 +299,7 @@ def collect(client, rows, submitted, cfg):
             yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size], [future.timing]
 
 
-# -----------------------------------------------------------------------------
-# evaluation
-
-
+# -- evaluation ------------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
     """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
@@ -353,36 +323,30 @@ def evaluate(client, rows, cfg):
     return {f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for task, cs in per_task.items() for k in ks}
 
 
-# -----------------------------------------------------------------------------
-# logging
-
-
+# -- logging ---------------------------------------------------------------------------------------
 def plot(history, path, evals=()):
     """Reward per step, the time each step spent, and a timeline of a few steps: when the server
     generated each micro-batch and when the trainer trained on it and pushed weights. `evals`:
     [(step, evaluate()'s result)], drawn with the reward."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.switch_backend("agg")
     steps = [h["step"] for h in history]
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), gridspec_kw={"height_ratios": [3, 2, 2]})
     ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
     for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][::2]:  # pass@1, pass@4, ...
         ax1.plot([step for step, _ in evals], [e[k] for _, e in evals], marker="s", linestyle="--", label=f"held-out {k}")
-    ax1.set_ylabel("per sample")
     ax1.legend(loc="lower right", fontsize=8)
-    ax1.set_title(f"GRPO, {history[0]['schedule']} schedule, max staleness {max(h['staleness'] for h in history):.0f}")
+    ax1.set(ylabel="per sample", title=f"GRPO, {history[0]['schedule']} schedule, max staleness "
+                                       f"{max(h['staleness'] for h in history):.0f}")
     bottom = [0.0] * len(steps)
     for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
         values = [h[key] for h in history]
         ax2.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s").replace("idle", "idle (waiting for samples)"))
         bottom = [b + v for b, v in zip(bottom, values)]
     ax2.plot(steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)")
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("seconds")
+    ax2.set(xlabel="optimizer step", ylabel="seconds")
     ax2.legend(loc="upper right", fontsize=8)
     draw_timeline(ax3, history)
     fig.tight_layout()
@@ -402,14 +366,7 @@ def draw_timeline(ax, history, steps=4):
     ax.set_xlabel(f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)")
 
 
-# -----------------------------------------------------------------------------
-# the loop
-
-
-class ServerRestarted(Exception):
-    pass
-
-
+# -- the loop --------------------------------------------------------------------------------------
 def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
     """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
     each micro-batch as it lands. Returns the step's rewards, tokens, staleness and importance
@@ -422,7 +379,7 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
         lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])  # (B,) how many updates old
         if (lag < 0).any() or (lag > cfg.max_staleness).any():
             if client.health()["version"] < version:  # versions start again at 0 in a new server
-                raise ServerRestarted(f"the server's weight version went back from {version}")
+                raise ConnectionError(f"the server restarted: its weight version went back from {version}")
             raise RuntimeError(f"sample versions {sorted(set((version - lag).tolist()))} at trainer version {version}: "
                                f"more than --max-staleness {cfg.max_staleness} behind")
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
@@ -532,7 +489,7 @@ def train(cfg: Config, client: Client):
                         next_submitted = next_submitted or submit(client, next_rows, cfg)
                     s = accumulate_step(client, model, tok, rows, submitted, cfg, version, partial)
                     break
-                except (ConnectionError, ServerError, ServerRestarted) as e:
+                except (ConnectionError, ServerError) as e:
                     if attempt == 2 or not server_lost(e):
                         raise
                     opt.zero_grad(set_to_none=True)

@@ -142,7 +142,7 @@ def main():
     print(f"async_vs_sync={statistics.median(times['lock-step']) / statistics.median(times['async']):.2f}")
 
     async def shutdown():  # on the engine's own loop, so that its output handler stops before the engine core
-        engine.shutdown()
+        engine.llm.shutdown()
     run(shutdown())
 
 

@@ -44,7 +44,7 @@ class SyncEngine:
 
     def shutdown(self):
         async def stop():
-            self.engine.shutdown()
+            self.engine.llm.shutdown()
 
         self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -42,7 +42,7 @@ async def generation_floor(model, steps=20):
         start = time.perf_counter()
         await asyncio.gather(*(engine.generate([p], SamplingParams(n=8, max_tokens=32)) for p in prompts))
         seconds.append(time.perf_counter() - start)
-    engine.shutdown()
+    engine.llm.shutdown()
     return statistics.median(seconds[3:])
 
 
