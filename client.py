@@ -245,10 +245,8 @@ class Client:
 
     def abort_pending(self):
         for request_id in list(self.pending):
-            try:
+            with contextlib.suppress(ServerError, ConnectionError):  # the server may be gone; its results then expire
                 self.abort(request_id)
-            except (ServerError, ConnectionError):
-                pass  # best effort: the server may be gone; its results then expire there
 
     # -- generation -----------------------------------------------------------
 
@@ -271,10 +269,8 @@ class Client:
         """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask, logprobs,
         turns, tool_calls, finish_reason). `tools` limits which registered tools may be called; a turn
         ending in `call_end` ("</tool>" unless given) calls "NAME ARGUMENT" written after `call_start`."""
-        body = dict(prompts=list(prompts), n=n, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
-                    temperature=temperature, max_tokens=max_tokens, **sampling)
-        if tools is not None:
-            body["tools"] = list(tools)
+        body = dict(prompts=list(prompts), n=n, tools=None if tools is None else list(tools), max_turns=max_turns,
+                    max_episode_tokens=max_episode_tokens, temperature=temperature, max_tokens=max_tokens, **sampling)
         future = RemoteFuture(self, self._submit("/rollout", body))
         return future if is_async else future.result()
 
@@ -422,23 +418,13 @@ class Client:
         return self.last_update["version"]  # and receive_s, load_s: where the workers spent it
 
     def _named_tensors(self, model):
-        """[(checkpoint name, tensor)] in the server's dtype, checked against its parameter spec."""
+        """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens) is
+        sent once, under the server's name. The server checks names and shapes before anything is sent."""
         items = model.named_parameters() if isinstance(model, torch.nn.Module) else model.items()
         items = [(name.removeprefix("module.").removeprefix("_orig_mod."), t) for name, t in items]  # DDP, compile
         known = {t.data_ptr() for name, t in items if name in self.spec}
-        named = []
-        for name, t in items:
-            if name not in self.spec:
-                if t.data_ptr() in known:
-                    continue  # a tied weight (lm_head = embed_tokens) is sent once, under the server's name
-                raise ValueError(f"the server's model has no parameter '{name}'")
-            if list(t.shape) != self.spec[name]:
-                raise ValueError(f"'{name}' has shape {list(t.shape)}, the server's is {self.spec[name]}")
-            named.append((name, t.detach().to(self.device, self.dtype).contiguous()))
-        missing = set(self.spec) - {name for name, _ in named}
-        if missing:  # the server reloads whole layers: it takes complete updates only
-            raise ValueError(f"an update must carry every parameter; missing {len(missing)}: {sorted(missing)[:5]}")
-        return named
+        return [(name, t.detach().to(self.device, self.dtype).contiguous()) for name, t in items
+                if name in self.spec or t.data_ptr() not in known]
 
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------
@@ -450,12 +436,10 @@ def free_port():
 
 def launch_server(*flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None):
     """Start `python server.py *flags` (on free ports unless given); return (process, Client) once it is up."""
-    port, group_port = port or free_port(), group_port or free_port()
-    if api_key:
-        flags = (*flags, "--api-key", api_key)
+    port, group_port, key = port or free_port(), group_port or free_port(), ("--api-key", api_key) if api_key else ()
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags],
+        proc = subprocess.Popen([sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags, *key],
                                 stdout=log, stderr=subprocess.STDOUT)
     client = Client(f"http://127.0.0.1:{port}", api_key=api_key, retries=0)
     deadline = time.monotonic() + timeout

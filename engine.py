@@ -132,21 +132,16 @@ class Engine:
 
 
 # -- the vLLM calls that may change between releases, one small function each ----------------------
-def engine_args(model, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.9, tensor_parallel_size=1,
-                data_parallel_size=1, seed=0, enforce_eager=None, kv_cache_memory_bytes=None, max_num_seqs=None):
-    """AsyncEngineArgs for our engine: priority scheduling, our worker extension, explicit dtype."""
+def engine_args(model, **flags) -> AsyncEngineArgs:
+    """AsyncEngineArgs for our engine: priority scheduling, our worker extension, the behaviour
+    policy's logprobs. `flags` are AsyncEngineArgs fields; None keeps our default, else vLLM's."""
     on_cpu = not torch.cuda.is_available()
-    if on_cpu and kv_cache_memory_bytes is None:
-        kv_cache_memory_bytes = 256 << 20  # the CPU backend reads gpu_memory_utilization of *free* memory
-    return AsyncEngineArgs(
-        model=model, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, seed=seed,
-        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,  # compiling costs more than it gains on CPU
-        kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-        scheduling_policy="priority", worker_extension_cls="engine.WeightSyncWorker",
-        logprobs_mode="processed_logprobs",  # the behaviour policy's logprobs: after temperature, as sampled
-        enable_log_requests=False, disable_log_stats=True,
-    )
+    ours = {"dtype": "float32", "enforce_eager": on_cpu,  # compiling costs more than it gains on CPU
+            "kv_cache_memory_bytes": 256 << 20 if on_cpu else None}  # the CPU backend reads the *free* memory otherwise
+    return AsyncEngineArgs(model=model, **ours | {k: v for k, v in flags.items() if v is not None},
+                           scheduling_policy="priority", worker_extension_cls="engine.WeightSyncWorker",
+                           logprobs_mode="processed_logprobs",  # the behaviour policy's logprobs: after temperature, as sampled
+                           enable_log_requests=False, disable_log_stats=True)
 
 
 def final_only(params: SamplingParams) -> SamplingParams:
@@ -286,14 +281,11 @@ def calculator(expression: str) -> str:
 
 
 class RolloutEngine:
-    """Tool episodes on the shared Engine; each turn is an ordinary engine request.
-
-    A turn that ends with `call_end` is a tool call: the text since the last `call_start` is
-    "NAME ARGUMENT"; the tool's output, wrapped in `result_format`, is tokenised once and appended.
-    Tools are Python functions (or coroutine functions) of one string, or tools of MCP servers
-    (add_mcp_server). A tool that raises, times out or does not exist answers with an error text;
-    the episode goes on.
-    """
+    """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
+    with `call_end` is a tool call: the text since the last `call_start` is "NAME ARGUMENT"; the
+    tool's output, wrapped in `result_format`, is tokenised once and appended. Tools are Python
+    functions (or coroutine functions) of one string, or tools of MCP servers (add_mcp_server). A
+    tool that raises, times out or does not exist answers with an error text; the episode goes on."""
 
     def __init__(self, engine: Engine, tools=None, call_start="<tool>", call_end="</tool>",
                  result_format="<result>{}</result>", tool_timeout=10.0):
@@ -390,11 +382,8 @@ class RolloutEngine:
 
 # -- the built-in tiny model -----------------------------------------------------------------------
 def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
-    """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder.
-
-    The same seed and sizes always give the same weights, so nothing needs downloading.
-    `overrides` are Qwen2Config fields (benchmarks build bigger shapes with it).
-    """
+    """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder. The
+    same seed and sizes give the same weights; `overrides` are Qwen2Config fields (for benchmarks)."""
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     from tokenizers import Tokenizer, decoders, models
@@ -410,8 +399,7 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype
         vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
         max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,  # wide logits: no near-ties in greedy
-        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype=dtype,
-    )
+        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype=dtype)
     config.update(overrides)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
@@ -422,7 +410,7 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype
 def save_model(model, tokenizer, path):
     """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""
     tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    for part in (model, tokenizer):
+        part.save_pretrained(tmp)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     os.replace(tmp, path)

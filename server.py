@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import prometheus_client as prom
 from aiohttp import web
 from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 from client import DTYPES, TRANSPORTS
 from engine import Engine, RolloutEngine, check_encodable, engine_args, tiny_model
@@ -107,19 +108,15 @@ def parse_prompts(body, state) -> list:
     if not isinstance(prompts, list) or not prompts:
         raise ApiError(400, "'prompts' must be a non-empty list of strings or of token-id lists")
     for p in prompts:
-        if isinstance(p, str) and p:
-            continue
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
-            continue
-        raise ApiError(400, f"each prompt must be a non-empty string or a list of token ids in [0, {vocab_size}); got {str(p)[:80]}")
+        if not (isinstance(p, str) and p or isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p)):
+            raise ApiError(400, f"each prompt must be a non-empty string or a list of token ids in [0, {vocab_size}); got {str(p)[:80]}")
     return prompts
 
 
 def parse_sampling(body, state, extra=()) -> SamplingParams:
     """SamplingParams from the body's fields, within the server's caps, or a 400."""
-    known = set(SAMPLING_FIELDS) | {"prompts", "priority"} | set(extra)
-    unknown = sorted(set(body) - known)
-    if unknown:
+    if unknown := sorted(set(body) - set(SAMPLING_FIELDS) - {"prompts", "priority", *extra}):
         raise ApiError(400, f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     for k, v in fields.items():
@@ -154,8 +151,7 @@ def submit(app, body, work) -> str:
         raise ApiError(429, f"{len(state.tasks)} results are waiting to be fetched (--max-pending); fetch or abort some")
     request_id, task = uuid.uuid4().hex, asyncio.ensure_future(work)
     state.tasks[request_id] = (task, args_key(body))
-    loop = asyncio.get_running_loop()
-    task.add_done_callback(lambda _: loop.call_later(state.opts.result_ttl, expire, app, request_id))
+    task.add_done_callback(lambda _: asyncio.get_running_loop().call_later(state.opts.result_ttl, expire, app, request_id))
     return request_id
 
 
@@ -163,8 +159,7 @@ def claim(app, body) -> str | None:
     """The oldest request with the identical arguments that no other caller holds; this caller
     then holds it until it is fetched (or gives it back), so identical requests are fetched once each."""
     state, key = app[STATE], args_key(body)
-    request_id = next((i for i, (_, k) in state.tasks.items() if k == key and i not in state.claimed), None)
-    if request_id:
+    if request_id := next((i for i, (_, k) in state.tasks.items() if k == key and i not in state.claimed), None):
         state.claimed.add(request_id)
     return request_id
 
@@ -316,11 +311,9 @@ async def init_communicator(request):
     if transport != "gloo" and not any(state.gpus):
         raise ApiError(400, f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo")
     if transport == "ipc":
-        get(body, "gpu", str)
-        if workers != 1:
-            raise ApiError(400, f"ipc needs a server on one GPU; this one has {workers} workers: use nccl")
-        if body["gpu"] not in state.gpus:
-            raise ApiError(400, f"ipc needs the trainer on the server's GPU {state.gpus[0]}; the trainer's is {body['gpu']}")
+        if get(body, "gpu", str) not in state.gpus or workers != 1:
+            raise ApiError(400, f"ipc needs the trainer on the GPU of a one-GPU server; the server's are {state.gpus}, "
+                                f"the trainer's is {body['gpu']}: use nccl")
         host, world_size = None, None
     else:
         host, world_size = get(body, "host", str), get(body, "world_size", int)
@@ -352,27 +345,21 @@ def check_buckets(buckets, spec, dtype, transport):
             if not isinstance(p, dict) or set(p) != {"name", "dtype", "shape", "offset"} or not isinstance(p["name"], str):
                 raise ApiError(400, "each param must be {name: str, dtype, shape, offset}")
             name = p["name"]
-            if name not in spec:
-                raise ApiError(400, f"unknown parameter '{name}'")
-            if name in seen:
-                raise ApiError(400, f"parameter '{name}' sent twice")
+            if name not in spec or name in seen:
+                raise ApiError(400, f"{'unknown' if name not in spec else 'repeated'} parameter '{name}'")
             seen.add(name)
-            if p["shape"] != spec[name]:
-                raise ApiError(400, f"'{name}' has shape {p['shape']}, the model's is {spec[name]}")
-            if p["dtype"] != dtype:
-                raise ApiError(400, f"'{name}' has dtype {p['dtype']}, the server runs {dtype}")
+            if p["shape"] != spec[name] or p["dtype"] != dtype:
+                raise ApiError(400, f"'{name}' has shape {p['shape']} and dtype {p['dtype']}; the server's are {spec[name]} and {dtype}")
             nbytes = DTYPES[dtype].itemsize * math.prod(p["shape"])
             if not isinstance(p["offset"], int) or p["offset"] < end or p["offset"] % 16 or p["offset"] + nbytes > b["size"]:
                 raise ApiError(400, f"'{name}' at offset {p['offset']} overlaps or does not fit its bucket of {b['size']} bytes")
             end = p["offset"] + nbytes
         handle = b.get("handle")
-        if (handle is not None) != (transport == "ipc"):
-            raise ApiError(400, "with the ipc transport each bucket carries a 'handle', with nccl and gloo none")
-        if handle is not None and (not isinstance(handle, dict) or set(handle) != set(IPC_HANDLE)
-                                   or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())):
-            raise ApiError(400, f"'handle' must be {{{', '.join(IPC_HANDLE)}}} as client.share_cuda makes it")
-    if seen != set(spec):  # vLLM reloads whole (fused) layers: a partial update would load garbage
-        missing = sorted(set(spec) - seen)
+        if (handle is not None) != (transport == "ipc") or handle is not None and (not isinstance(handle, dict) or set(
+                handle) != set(IPC_HANDLE) or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())):
+            raise ApiError(400, f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} as client.share_cuda "
+                                "makes it; with nccl and gloo none")
+    if missing := sorted(set(spec) - seen):  # vLLM reloads whole (fused) layers: a partial update would load garbage
         raise ApiError(400, f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")
 
 
@@ -439,8 +426,7 @@ async def openai_completion(request):
     """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes."""
     check_serving(request.app)
     body, state, engine, chat = await read_json(request), request.app[STATE], request.app[ENGINE], request.path.endswith("chat/completions")
-    unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
-    if unknown:
+    if unknown := sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER):
         raise ApiError(400, f"unsupported fields {unknown}")
     if body.get("model") != engine.args.model:
         raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves {engine.args.model!r} (see /v1/models)")
@@ -653,13 +639,11 @@ def parse_args(argv=None):
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="skip graph capture/compilation (default: on for CPU, off for GPU)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="skip compilation (default: on CPU only)")
     g = p.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (another than loopback needs --api-key)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
-    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                   help="every route but /health and /metrics then needs 'Authorization: Bearer <key>' (default: $VLLM_API_KEY)")
+    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="required by all but /health, /metrics ($VLLM_API_KEY)")
     g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt) a request may ask for")
     g.add_argument("--max-request-seqs", type=int, default=16384, help="most sequences (prompts x n) in one request")
     g.add_argument("--max-pending", type=int, default=10000, help="most requests submitted and not yet fetched; beyond it 429")
@@ -667,15 +651,13 @@ def parse_args(argv=None):
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     g = p.add_argument_group("weight sync")
     g.add_argument("--group-port", type=int, default=51216, help="port of the trainer's weight-sync group (NCCL/gloo)")
-    g.add_argument("--weight-sync-timeout", type=float, default=60.0,
-                   help="seconds to wait for the trainer while joining the group or receiving a bucket; "
-                        "on timeout the update fails and the old weights and version stay")
-    g.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds an update waits for requests in flight to finish; then it is refused (503) before anything is sent")
+    g.add_argument("--weight-sync-timeout", type=float, default=60.0, help="seconds to wait for the trainer while joining the "
+                   "group or receiving a bucket; on timeout the update fails and the old weights and version stay")
+    g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds an update waits for requests in flight to "
+                   "finish; then it is refused (503) before anything is sent")
     g = p.add_argument_group("tools")
-    g.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND",
-                   help="an MCP server to start over stdio, whose tools /rollout may call (repeatable), "
-                        "e.g. --mcp-server 'python tests/mcp_server.py'; the Python tool 'calc' is built in")
+    g.add_argument("--mcp-server", action="append", default=[], metavar="COMMAND", help="an MCP server to start over stdio, "
+                   "whose tools /rollout may call (repeatable; 'calc' is built in), e.g. 'python tests/mcp_server.py'")
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take before it answers with an error")
     a = p.parse_args(argv)
     if a.host not in LOOPBACK and not a.api_key:
@@ -686,10 +668,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    args = engine_args(a.model or tiny_model(), a.dtype, a.max_model_len, a.gpu_memory_utilization,
-                       a.tensor_parallel_size, a.data_parallel_size, a.seed, a.enforce_eager,
-                       a.kv_cache_memory_bytes, a.max_num_seqs)
-    app = make_app(args, a)
+    engine_flags = {k: v for k, v in vars(a).items() if k in AsyncEngineArgs.__dataclass_fields__}  # named alike
+    app = make_app(engine_args(**engine_flags | {"model": a.model or tiny_model()}), a)
     web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
     if app[STATE].engine_died:
         sys.exit("the engine died; see the log above")

@@ -23,6 +23,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
+from statistics import mean
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -497,9 +498,8 @@ def train(cfg: Config, client: Client):
                     submitted = next_submitted = None  # what the lost server held is gone: submit again
             # the loss normalisation: divide the summed gradient by every completion token of the step
             t0 = time.time()
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad /= max(s["tokens"], 1)
+            for p in (p for p in model.parameters() if p.grad is not None):
+                p.grad /= max(s["tokens"], 1)
             s["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -518,20 +518,17 @@ def train(cfg: Config, client: Client):
             rows, submitted = next_rows, next_submitted
             row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
-            log.write(json.dumps(row) + "\n")
-            log.flush()
+            print(json.dumps(row), file=log, flush=True)
             bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{row['step_s']:.2f}")
     evals = [(h["step"], h["eval"]) for h in history if "eval" in h]
     if cfg.eval_every:  # and on the final weights
         evals.append((cfg.steps, final_eval(client, held_out, cfg)))
     client.close_communicator()
     plot(history, os.path.join(cfg.out, "plot.png"), evals)
-    model.save_pretrained(os.path.join(cfg.out, "checkpoint"))
-    tok.save_pretrained(os.path.join(cfg.out, "checkpoint"))
-    first, last = history[:5], history[-5:]
+    for part in (model, tok):
+        part.save_pretrained(os.path.join(cfg.out, "checkpoint"))
     for key in ("reward", "accuracy"):
-        print(f"{key}: first 5 steps {sum(h[key] for h in first) / len(first):.3f}, "
-              f"last 5 steps {sum(h[key] for h in last) / len(last):.3f}")
+        print(f"{key}: first 5 steps {mean(h[key] for h in history[:5]):.3f}, last 5 steps {mean(h[key] for h in history[-5:]):.3f}")
     print(f"outputs in {cfg.out}")
     return history
 

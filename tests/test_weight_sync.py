@@ -14,7 +14,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client
+from client import Client, ServerError
 from conftest import needs_cuda
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
@@ -114,13 +114,17 @@ def test_bad_update_is_rejected_and_changes_nothing(trainer, param, word):
     assert (server_greedy(trainer), trainer.health()["version"]) == before
 
 
-def test_client_checks_names_and_shapes_before_sending(trainer, hf):
-    with pytest.raises(ValueError, match="no parameter"):
-        trainer.update_model_params({"bogus.weight": torch.zeros(2)})
-    with pytest.raises(ValueError, match="shape"):
-        trainer.update_model_params({"model.norm.weight": torch.zeros(3)})
-    with pytest.raises(ValueError, match="every parameter"):
-        trainer.update_model_params({"model.norm.weight": torch.zeros(128)})
+@pytest.mark.parametrize("params,word", [
+    ({"bogus.weight": torch.zeros(2)}, "unknown parameter"),
+    ({"model.norm.weight": torch.zeros(3)}, "shape"),
+    ({"model.norm.weight": torch.zeros(128)}, "every parameter"),
+])
+def test_client_update_with_wrong_names_or_shapes_is_refused_before_sending(trainer, params, word):
+    v0 = trainer.health()["version"]
+    with pytest.raises(ServerError, match=word) as refused:
+        trainer.update_model_params(params)
+    assert refused.value.status == 400
+    assert trainer.health()["version"] == v0 and trainer.health()["transport"] == trainer.transport
 
 
 DYING_TRAINER = """
