@@ -158,9 +158,8 @@ def unpack(buffer: torch.Tensor, params):
     """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape, offset}]."""
     out = []
     for p in params:
-        dtype, shape = DTYPES[p["dtype"]], p["shape"]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        out.append((p["name"], buffer[p["offset"]:p["offset"] + nbytes].view(dtype).view(shape)))
+        dtype, start = DTYPES[p["dtype"]], p["offset"]
+        out.append((p["name"], buffer[start:start + math.prod(p["shape"]) * dtype.itemsize].view(dtype).view(p["shape"])))
     return out
 
 
@@ -408,9 +407,8 @@ class Client:
                     buffer = self._buffer(i % 2, bucket["size"])
                     fill(buffer, bucket, tensors)
                     sending[i % 2] = (start_broadcast(self.group, buffer), buffer)
-                for work in sending:
-                    if work is not None:
-                        finish(*work, self.weight_sync_timeout)
+                for work in filter(None, sending):
+                    finish(*work, self.weight_sync_timeout)
             self.last_update = self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))
         except Exception:
             self._drop_group()  # a failed update: the server's workers left the group too

@@ -106,8 +106,7 @@ class Engine:
                     ready.set_result(None)
                 answers = await self.llm.collective_rpc("receive_weights", timeout=weight_sync_timeout * (1 + len(buckets)),
                                                      args=(buckets,))
-                failed = [a["load_error"] for a in answers if "load_error" in a]
-                if failed:
+                if failed := [a["load_error"] for a in answers if "load_error" in a]:
                     self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
                     raise RuntimeError(self.load_error)
                 await asyncio.wait_for(self.llm.reset_prefix_cache(), weight_sync_timeout)  # old KV must not be reused
@@ -332,7 +331,8 @@ class RolloutEngine:
             return f"error: {type(e).__name__}: {e}"
 
     async def episode(self, prompt, params: SamplingParams, max_turns=4, max_episode_tokens=256, tools=None,
-                      call_start=None, call_end=None) -> Episode:
+                      call_start=None, call_end=None, k=0) -> Episode:
+        """The `k`-th episode of `prompt` (with a seed, each k samples its own turns, reproducibly)."""
         call_start, call_end = call_start or self.call_start, call_end or self.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
@@ -342,7 +342,7 @@ class RolloutEngine:
             p = params.clone()
             p.n, p.max_tokens, p.include_stop_str_in_output = 1, min(params.max_tokens, budget), True
             p.stop = list(params.stop or []) + [call_end]
-            p.seed = None if params.seed is None else params.seed + turn
+            p.seed = None if params.seed is None else params.seed + 1000 * k + turn
             [[c]] = await self.engine.generate([ep.token_ids], p)
             ep.token_ids += c.token_ids  # exactly as sampled: never re-tokenised
             ep.loss_mask += [1] * len(c.token_ids)
@@ -370,13 +370,8 @@ class RolloutEngine:
     async def rollout(self, prompts, params: SamplingParams, max_turns=4, max_episode_tokens=256, tools=None,
                       call_start=None, call_end=None):
         """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode."""
-        def seeded(k):
-            p = params.clone()
-            p.seed = None if params.seed is None else params.seed + 1000 * k  # different episodes, reproducibly
-            return p
-        episodes = await asyncio.gather(*(self.episode(prompt, seeded(k), max_turns, max_episode_tokens, tools,
-                                                       call_start, call_end)
-                                          for prompt in prompts for k in range(params.n)))
+        episodes = await asyncio.gather(*(self.episode(prompt, params, max_turns, max_episode_tokens, tools, call_start,
+                                                       call_end, k) for prompt in prompts for k in range(params.n)))
         return [episodes[i:i + params.n] for i in range(0, len(episodes), params.n)]
 
 

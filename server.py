@@ -34,7 +34,7 @@ from engine import Engine, RolloutEngine, check_encodable, engine_args, tiny_mod
 SAMPLING_FIELDS = {
     "n": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
     "min_tokens": int, "seed": int, "logprobs": int, "presence_penalty": float, "frequency_penalty": float,
-    "repetition_penalty": float, "ignore_eos": bool, "stop": list, "stop_token_ids": list,
+    "repetition_penalty": float, "ignore_eos": bool, "stop": [str], "stop_token_ids": [int],
     "include_stop_str_in_output": bool, "skip_special_tokens": bool,
 }
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -81,23 +81,18 @@ async def read_json(request) -> dict:
     return body
 
 
-def check_type(name, value, kind):
+def get(body, name, kind, default=None, low=None, high=None, flag=""):
+    """body[name] (or `default`), checked to be a `kind` (for [k]: a list of k) within [low, high], or a 400."""
+    value = body.get(name, default)
+    if isinstance(kind, list):
+        if not isinstance(value, list) or not all(isinstance(v, kind[0]) and not isinstance(v, bool) for v in value):
+            raise ApiError(400, f"'{name}' must be a list of {kind[0].__name__}")
+        return value
     kinds = (int, float) if kind is float else kind  # JSON's 1 is a fine float; true is not a number
     if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
         raise ApiError(400, f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
     if kind is float and not math.isfinite(value):  # Python's json reads NaN and Infinity
         raise ApiError(400, f"'{name}' must be a finite number")
-
-
-def check_list(name, value, kind):
-    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
-        raise ApiError(400, f"'{name}' must be a list of {kind.__name__}")
-
-
-def get(body, name, kind, default=None, low=None, high=None, flag=""):
-    """body[name] (or `default`), checked to be a `kind` (and within [low, high]), or a 400."""
-    value = body.get(name, default)
-    check_type(name, value, kind)
     if low is not None and not low <= value <= high:
         raise ApiError(400, f"'{name}' must be between {low} and {high}{flag}")
     return value
@@ -120,9 +115,8 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
         raise ApiError(400, f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     for k, v in fields.items():
-        if k == "stop" and isinstance(v, str):
-            continue  # vLLM takes one stop string or a list of them
-        check_list(k, v, str if k == "stop" else int) if SAMPLING_FIELDS[k] is list else check_type(k, v, SAMPLING_FIELDS[k])
+        if not (k == "stop" and isinstance(v, str)):  # vLLM takes one stop string or a list of them
+            get(fields, k, SAMPLING_FIELDS[k])
     opts, n = state.opts, get(fields, "n", int, 1, 1, state.opts.max_n, " (--max-n)")
     get(fields, "max_tokens", int, 16, 1, opts.max_model_len, " (--max-model-len)")
     sequences = n * len(body.get("prompts") or [])
@@ -180,9 +174,9 @@ def expire(app, request_id):
 async def health(request):
     """200 while the engine can serve; 503 with the reason once it cannot."""
     engine, state = request.app[ENGINE], request.app[STATE]
-    status = "failed" if engine.error else "updating" if not engine.gate.is_set() else "ok"
     return web.json_response({
-        "status": status, "error": engine.error, "model": engine.args.model,
+        "status": "failed" if engine.error else "updating" if not engine.gate.is_set() else "ok",
+        "error": engine.error, "model": engine.args.model,
         "version": engine.version, "in_flight": engine.in_flight, "pending_results": len(state.tasks),
         "group_port": state.opts.group_port, "workers": state.workers, "gpus": state.gpus, "dtype": state.dtype,
         "transport": state.transport, "max_num_seqs": engine.max_num_seqs, "tools": request.app[ROLLOUT].tool_names,
@@ -246,7 +240,7 @@ async def rollout(request):
     min_version, max_turns = get(body, "min_version", int, 0), get(body, "max_turns", int, 4, 1, 100)
     budget, tools = get(body, "max_episode_tokens", int, 256, 1, state.opts.max_model_len), body.get("tools")
     if tools is not None:
-        check_list("tools", tools, str)
+        get(body, "tools", [str])
         if not set(tools) <= set(app[ROLLOUT].tool_names):
             raise ApiError(400, f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}")
     tags = [get(body, n, str) if body.get(n) is not None else None for n in ("call_start", "call_end")]  # None: the defaults
@@ -263,8 +257,7 @@ async def get_future(request):
     timeout = get(body, "timeout", float, 60, 0, 3600, " seconds")
     claimed = None  # a request held by this caller, asking by arguments
     if "request_ids" in body:  # as completed: the trainer takes groups in the order they finish
-        check_list("request_ids", body["request_ids"], str)
-        ids = body["request_ids"]
+        ids = get(body, "request_ids", [str])
     else:
         ids = [get(body, "request_id", str)] if "request_id" in body else [claimed := claim(request.app, body)]
     ids = [i for i in ids if i in state.tasks]
@@ -595,8 +588,7 @@ def make_app(args, opts) -> web.Application:
     app[METRICS] = make_metrics()
 
     async def engine_ctx(app):
-        engine = await Engine.start(args)
-        app[ENGINE] = engine
+        app[ENGINE] = engine = await Engine.start(args)
         state.vocab_size = engine.llm.model_config.get_vocab_size()
         state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
         state.workers = args.tensor_parallel_size * args.data_parallel_size

@@ -256,13 +256,12 @@ def requester(client, cfg):
     return client.generate
 
 
-def submit(client, rows, cfg, min_version=None):
+def submit(client, rows, cfg, min_version=0):
     """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
     `min_version` the server holds them until those weights are loaded (no round trip needed)."""
     request, N, size = requester(client, cfg), cfg.micro_batches, len(rows) // cfg.micro_batches
-    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, is_async=True)
-    if min_version is not None:
-        sampling["min_version"] = min_version
+    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, min_version=min_version,
+                    is_async=True)
     if cfg.schedule == "overlap":  # every prompt its own request, all at once: the engine decodes one big batch
         if cfg.task == "calculator":
             return [([r], request([r["prompt"]], **sampling)) for r in rows]
@@ -313,7 +312,7 @@ def evaluate(client, rows, cfg):
     n = cfg.eval_n  # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else {"temperature": 1.0, "top_k": 1}
     results = requester(client, cfg)([r["prompt"] for r in rows], n=n, max_tokens=cfg.max_tokens, **sampling)
-    ks = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    ks = [2 ** i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
     per_task = {}
     for row, samples in zip(rows, results, strict=True):
         if len(samples) != n:
