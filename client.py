@@ -206,7 +206,8 @@ class Client:
                       backoff_max=8, allowed_methods=None)
         self.retrying.mount(self.base_url, HTTPAdapter(max_retries=retry))
         self.pending = set()  # ids submitted and not yet fetched
-        self.group, self.transport, self.spec, self.dtype, self.buffers = None, None, None, None, [None, None]
+        self.group, self.transport, self.spec, self.dtype = None, None, None, None
+        self.buffers = [None, None]  # two send buffers, reused between updates (ipc: the server keeps them open)
 
     def __enter__(self):
         return self
@@ -358,7 +359,6 @@ class Client:
                 answer = reply.result()
         self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
         self.spec, self.dtype = answer["params"], getattr(torch, answer["dtype"])
-        self.buffers = [None, None]  # reused between updates (ipc: the server keeps them open)
 
     def close_communicator(self):
         if self.transport is not None:
