@@ -70,7 +70,7 @@ class ApiError(web.HTTPException):
         super().__init__()
 
 
-# -- validation: turn a JSON body into engine arguments, or answer 400 -----------------------
+# -- validation: turn a JSON body into engine arguments, or answer 400 -----------------------------
 async def read_json(request) -> dict:
     try:
         body = await request.json()
@@ -263,7 +263,7 @@ async def get_future(request):
     ids = [i for i in ids if i in state.tasks]
     if not ids:
         raise ApiError(404, "no such request: unknown request_id; already fetched, aborted or expired; "
-                          "or no request with these arguments")
+                            "or no request with these arguments")
     try:
         done, _ = await asyncio.wait([state.tasks[i][0] for i in ids], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -274,7 +274,7 @@ async def get_future(request):
     finished = [i for i in ids if i in state.tasks and state.tasks[i][0] in done]
     for i in finished:  # a failure is answered alone; the others stay to be fetched
         if (task := state.tasks[i][0]).cancelled() or task.exception():
-            forget(request.app, i)  # the engine refused it, e.g. a prompt longer than --max-model-len
+            forget(request.app, i)  # aborted, or the engine refused it (e.g. a prompt longer than --max-model-len)
             raise ApiError(404, f"request {i} was aborted") if task.cancelled() else ApiError(
                 503 if request.app[ENGINE].error else 422, f"request {i} failed: {task.exception()}")
     results = [{"request_id": i, **forget(request.app, i).result()} for i in finished]
@@ -316,7 +316,7 @@ async def init_communicator(request):
         await engine.rpc("init_communicator", transport, host, state.opts.group_port, world_size, weight_sync_timeout,
                          timeout=weight_sync_timeout + 10)
     except Exception as e:
-        raise ApiError(504, f"could not set up {transport} weight sync (group at {host}:{state.opts.group_port}): {e!r}")
+        raise ApiError(504, f"could not set up {transport} weight sync (group at {host}:{state.opts.group_port}): {e!r}") from None
     state.transport = transport
     return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
 

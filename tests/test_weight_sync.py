@@ -132,23 +132,25 @@ import os, sys, torch
 sys.path.insert(0, {root!r})
 from client import Client, broadcast, pack
 c = Client({url!r})
-c.init_communicator("gloo", weight_sync_timeout=30)
+c.init_communicator({transport!r}, device={device!r}, weight_sync_timeout=30)
 buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
 c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})  # phase 1: the server receives
-broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8), 30)  # one bucket of many, then die
+broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=c.device), 30)  # one of many, then die
 print("sent one bucket", flush=True)
 os._exit(1)
 """
 
 
-def test_trainer_dying_mid_update_leaves_server_serving_old_weights(server, hf, tmp_path):
+@pytest.mark.parametrize("transport,device", [("gloo", "cpu"), pytest.param("nccl", "cuda:1", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU"))])
+def test_trainer_dying_mid_update_leaves_server_serving_old_weights(server, hf, tmp_path, transport, device):
     model, _ = hf
     before = server_greedy(server)
     v0 = server.health()["version"]
     weights = tmp_path / "weights.pt"
     torch.save(perturbed(model, seed=2).state_dict(), weights)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = DYING_TRAINER.format(root=root, url=server.base_url, weights=str(weights))
+    script = DYING_TRAINER.format(root=root, url=server.base_url, weights=str(weights), transport=transport, device=device)
     dying = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "sent one bucket" in dying.stdout, dying.stderr[-2000:]
     start = time.monotonic()
