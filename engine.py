@@ -3,11 +3,13 @@
     engine = await Engine.start(engine_args("path/or/hub-id"))   # inside a running loop
     [[c0, c1, ...]] = await engine.generate(["2+2="], SamplingParams(n=8))
 
-In reading order: 1. `Engine`: requests become futures; every `Completion` carries the weight
-`version` that produced it; `update_weights` closes the gate, drains, loads, bumps the version and
-reopens, so no completion mixes two versions. 2. `WeightSyncWorker`: the worker side of an update.
-3. `RolloutEngine`: multi-turn tool episodes on the same engine. 4. `tiny_model()`: the model the
-tests and the demo use. Each vLLM call that may change between releases is one small function.
+In reading order:
+1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced it.
+   `update_weights` closes the gate, drains, loads, bumps the version and reopens: no completion mixes two.
+2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
+3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same engine.
+4. `tiny_model()`: the model the tests and the demo use, since nothing is downloaded.
+Each vLLM call that may change between releases is one small function next to its user.
 """
 import ast
 import asyncio
