@@ -35,7 +35,6 @@ from urllib3.util.retry import Retry
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSPORTS = ("ipc", "nccl", "gloo")
 
-
 # -- what the server returns -----------------------------------------------------------------------
 @dataclass
 class Completion:
@@ -46,7 +45,6 @@ class Completion:
     version: int  # the weight version that produced every token of it
     top_logprobs: list[list[dict]] | None = None  # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
 
-
 @dataclass
 class Episode:
     token_ids: list[int]  # prompt, then each turn's sampled tokens and each tool's output, in order
@@ -55,7 +53,6 @@ class Episode:
     turns: list[dict]  # per model turn: text, version, finish_reason
     tool_calls: list[dict]  # per call: name, argument, result
     finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
-
 
 # -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..) ---
 def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, device=None):
@@ -67,7 +64,7 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = timeout * 2  # NCCL's watchdog kills the process on timeout: only a backstop behind `finish`
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
     else:
         group, device = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout), torch.device("cpu")
@@ -75,15 +72,9 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
         broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
     return group
 
-
 def broadcast(group, tensor, weight_sync_timeout):
     """Broadcast `tensor` from the trainer (rank 0) and block until it has really arrived."""
-    finish(start_broadcast(group, tensor), tensor, weight_sync_timeout)
-
-
-def start_broadcast(group, tensor):
-    return group.broadcast([tensor], dist.BroadcastOptions())  # rootRank 0: the trainer
-
+    finish(group.broadcast([tensor], dist.BroadcastOptions()), tensor, weight_sync_timeout)  # rootRank 0: the trainer
 
 def finish(work, tensor, weight_sync_timeout):
     """Wait for a broadcast, at most `weight_sync_timeout` s. NCCL's wait() only makes the current
@@ -96,13 +87,11 @@ def finish(work, tensor, weight_sync_timeout):
             time.sleep(0.001)
     work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
 
-
 def close_group(group):
     """Leave a group. An NCCL group is aborted, never shut down: shutdown() waits until every rank
     leaves, while the trainer and the workers leave one after the other (and a dead peer never does)."""
     if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
         group.abort()
-
 
 def share_cuda(buffer: torch.Tensor) -> dict:
     """A CUDA IPC handle of a uint8 buffer, as JSON. Plain fields, never a pickle: the server
@@ -115,7 +104,6 @@ def share_cuda(buffer: torch.Tensor) -> dict:
             "storage_offset": storage_offset, "ref": b64(ref), "ref_offset": ref_offset, "event": b64(event),
             "event_sync": event_sync, "gpu": device_uuid(torch.device("cuda", device))}
 
-
 def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
     """The uint8 buffer behind a share_cuda() handle, opened in this process on `device`.
     torch caches opened handles while the tensor lives, so a buffer reused by the trainer is
@@ -127,10 +115,8 @@ def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
                                device.index, b64(shared["handle"]), shared["storage_bytes"], shared["storage_offset"], False,
                                b64(shared["ref"]), shared["ref_offset"], b64(shared["event"]), shared["event_sync"])
 
-
 def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
-
 
 def pack(named, bucket_bytes):
     """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes."""
@@ -147,12 +133,10 @@ def pack(named, bucket_bytes):
         buckets.append(({"size": size, "params": params}, tensors))
     return buckets
 
-
 def fill(buffer, bucket, tensors):
     """Copy a bucket's tensors into `buffer` at their announced offsets."""
     for p, t in zip(bucket["params"], tensors):
         buffer[p["offset"]:p["offset"] + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-
 
 def unpack(buffer: torch.Tensor, params):
     """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape, offset}]."""
@@ -162,7 +146,6 @@ def unpack(buffer: torch.Tensor, params):
         out.append((p["name"], buffer[start:start + math.prod(p["shape"]) * dtype.itemsize].view(dtype).view(p["shape"])))
     return out
 
-
 # -- the client ------------------------------------------------------------------------------------
 class ServerError(Exception):
     """The server answered with an error; `status` is the HTTP code, the message is the server's."""
@@ -170,7 +153,6 @@ class ServerError(Exception):
     def __init__(self, status, message):
         super().__init__(f"{status}: {message}")
         self.status, self.message = status, message
-
 
 class RemoteFuture:
     """A request the server is working on; `result()` collects it with /get_future."""
@@ -186,7 +168,6 @@ class RemoteFuture:
 
     def abort(self):
         self.client.abort(self.request_id)
-
 
 class Client:
     """`with Client(url) as client:` aborts the requests it submitted and never fetched if the
@@ -248,8 +229,7 @@ class Client:
             with contextlib.suppress(ServerError, ConnectionError):  # the server may be gone; its results then expire
                 self.abort(request_id)
 
-    # -- generation -----------------------------------------------------------
-
+    # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, priority=0, is_async=False, **sampling):
         """Completions for each prompt (a string or a list of token ids): a list per prompt of
         `n` Completion(text, token_ids, logprobs, finish_reason, version). Other keyword
@@ -320,8 +300,7 @@ class Client:
             done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
 
-    # -- weight sync (the trainer is rank 0) ----------------------------------
-
+    # -- weight sync (the trainer is rank 0) ------------------------------------------------------
     def init_communicator(self, transport=None, host="127.0.0.1", device=None, weight_sync_timeout=60.0):
         """Set up weight sync with the server's workers. `device`: where the trainer's tensors are
         (default: CUDA if available). `transport` (default: chosen from the device):
@@ -387,14 +366,12 @@ class Client:
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
-        if self.transport == "ipc":
-            buckets = pack(named, bucket_bytes=math.inf)
+        buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20)
+        if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
             buffer = self._buffer(0, buckets[0][0]["size"])
             fill(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
-        else:
-            buckets = pack(named, bucket_mb << 20)
         # phase 1; a 4xx here means nothing was sent, and the group stays as it is
         reply = self._request("POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
                               timeout=self.weight_sync_timeout * 2 + 30)
@@ -406,7 +383,7 @@ class Client:
                         finish(*sending[i % 2], self.weight_sync_timeout)  # its buffer is ours again
                     buffer = self._buffer(i % 2, bucket["size"])
                     fill(buffer, bucket, tensors)
-                    sending[i % 2] = (start_broadcast(self.group, buffer), buffer)
+                    sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
                 for work in filter(None, sending):
                     finish(*work, self.weight_sync_timeout)
             self.last_update = self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))
@@ -424,13 +401,11 @@ class Client:
         return [(name, t.detach().to(self.device, self.dtype).contiguous()) for name, t in items
                 if name in self.spec or t.data_ptr() not in known]
 
-
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
 
 def launch_server(*flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None):
     """Start `python server.py *flags` (on free ports unless given); return (process, Client) once it is up."""
@@ -451,7 +426,6 @@ def launch_server(*flags, log_path=os.devnull, timeout=300.0, port=None, group_p
             time.sleep(0.5)
     stop_server(proc)
     raise TimeoutError(f"server did not start within {timeout} s; see {log_path}")
-
 
 def stop_server(proc):
     proc.terminate()

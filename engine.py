@@ -1,6 +1,6 @@
 """The shared engine loop: one vLLM `AsyncLLM` driven by one asyncio loop.
 
-    engine = await Engine.start(engine_args("path/or/hub-id"))   # inside a running loop
+    engine = Engine(engine_args("path/or/hub-id"))
     [[c0, c1, ...]] = await engine.generate(["2+2="], SamplingParams(n=8))
 
 In reading order:
@@ -15,6 +15,7 @@ import ast
 import asyncio
 import operator
 import os
+import threading
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -29,15 +30,13 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from client import DTYPES, Completion, Episode, broadcast, close_group, device_uuid, open_cuda, unpack, weight_group
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-model")
-CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # the tiny model's vocabulary: printable ASCII
-
 
 # -- the engine ------------------------------------------------------------------------------------
 class Engine:
     """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
 
-    def __init__(self, llm: AsyncLLM, args: AsyncEngineArgs):
-        self.llm, self.args = llm, args
+    def __init__(self, args: AsyncEngineArgs):
+        self.llm, self.args = AsyncLLM.from_engine_args(args), args
         self.version = 0  # weights loaded at start
         self.in_flight = 0  # prompts admitted to vLLM and not finished
         self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
@@ -46,17 +45,13 @@ class Engine:
         self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the weights are mixed
-        self.tokenizer = llm.tokenizer
-        self.max_num_seqs = llm.vllm_config.scheduler_config.max_num_seqs  # most sequences decoded at once
+        self.tokenizer = self.llm.tokenizer
+        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs  # most sequences decoded at once
 
     @property
     def error(self) -> str | None:
         """Why the engine can no longer serve, if it cannot."""
         return self.load_error or ("vLLM's engine core died (see the server log)" if self.llm.errored else None)
-
-    @classmethod
-    async def start(cls, args: AsyncEngineArgs) -> "Engine":
-        return cls(AsyncLLM.from_engine_args(args), args)
 
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
@@ -131,7 +126,6 @@ class Engine:
         """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout` seconds."""
         return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
 
-
 # -- the vLLM calls that may change between releases, one small function each ----------------------
 def engine_args(model, **flags) -> AsyncEngineArgs:
     """AsyncEngineArgs for our engine: priority scheduling, our worker extension, the behaviour
@@ -144,14 +138,12 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
                            logprobs_mode="processed_logprobs",  # the behaviour policy's logprobs: after temperature, as sampled
                            enable_log_requests=False, disable_log_stats=True)
 
-
 def final_only(params: SamplingParams) -> SamplingParams:
     """Ask vLLM for the finished output only, with the logprob of every sampled token."""
     params = params.clone()
     params.output_kind = RequestOutputKind.FINAL_ONLY
     params.logprobs = max(params.logprobs or 0, 0)  # 0 = just the sampled token's logprob
     return params
-
 
 def check_encodable(params: SamplingParams):
     """Raise unless `params` survive the msgpack round trip by which the engine's input thread
@@ -160,12 +152,10 @@ def check_encodable(params: SamplingParams):
 
     MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
 
-
 def top_k(logprobs, k):
     """With sampling `logprobs` k > 0: per position, the k likeliest tokens as [{token, logprob}]."""
     return [[{"token": x.decoded_token, "logprob": x.logprob} for x in sorted(lp.values(), key=lambda x: x.rank)[:k]]
             for lp in logprobs] if k else None
-
 
 # -- the worker side of weight sync: runs inside each vLLM worker process --------------------------
 class WeightSyncWorker:
@@ -188,8 +178,8 @@ class WeightSyncWorker:
         self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
 
     def close_communicator(self):
-        if self.group is not None:
-            close_group(self.group)
+        if self.group is not None:  # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
+            threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
         self.transport, self.group, self.ipc_buffers = None, None, []
 
     def receive_weights(self, buckets):
@@ -230,7 +220,6 @@ class WeightSyncWorker:
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
 
-
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------
 def weight_rank(vllm_config):
     """This worker's rank in the weight group: the trainer is 0, then every worker of data-
@@ -241,7 +230,6 @@ def weight_rank(vllm_config):
     parallel = vllm_config.parallel_config
     per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
-
 
 def load_weights(model_runner, weights):
     """Load checkpoint-format [(name, tensor)] into the running model, in place.
@@ -261,11 +249,9 @@ def load_weights(model_runner, weights):
         model.lm_head.tie_weights(model.model.embed_tokens)
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
-
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
-
 
 def calculator(expression: str) -> str:
     """The built-in tool: arithmetic (+ - * / ** and parentheses) on numbers, nothing else."""
@@ -279,7 +265,6 @@ def calculator(expression: str) -> str:
         raise ValueError(f"not arithmetic: {ast.unparse(node)}")
     result = value(ast.parse(expression.strip(), mode="eval").body)
     return str(int(result) if float(result).is_integer() else round(result, 6))
-
 
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
@@ -376,7 +361,6 @@ class RolloutEngine:
                                                        call_end, k) for prompt in prompts for k in range(params.n)))
         return [episodes[i:i + params.n] for i in range(0, len(episodes), params.n)]
 
-
 # -- the built-in tiny model -----------------------------------------------------------------------
 def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
     """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder. The
@@ -386,7 +370,7 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|pad|>"] + CHARS)}
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"])}  # printable ASCII
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
@@ -402,7 +386,6 @@ def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype
     model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
     save_model(model, tokenizer, path)
     return path
-
 
 def save_model(model, tokenizer, path):
     """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""

@@ -39,7 +39,6 @@ SAMPLING_FIELDS = {
 }
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-
 @dataclass
 class State:
     """What the routes share, besides the engine. `opts` are the server's flags (parse_args)."""
@@ -55,12 +54,10 @@ class State:
     weight_spec: dict = field(default_factory=dict)
     gpus: list = field(default_factory=list)
 
-
 ENGINE = web.AppKey("engine", Engine)
 ROLLOUT = web.AppKey("rollout", RolloutEngine)
 STATE = web.AppKey("state", State)
 METRICS = web.AppKey("metrics", dict)
-
 
 class ApiError(web.HTTPException):
     """Raised anywhere in a route: answers `status` with {"error": message} (see `errors`)."""
@@ -68,7 +65,6 @@ class ApiError(web.HTTPException):
     def __init__(self, status, message):
         self.status_code, self.message = status, message
         super().__init__()
-
 
 # -- validation: turn a JSON body into engine arguments, or answer 400 -----------------------------
 async def read_json(request) -> dict:
@@ -79,7 +75,6 @@ async def read_json(request) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object")
     return body
-
 
 def get(body, name, kind, default=None, low=None, high=None, flag=""):
     """body[name] (or `default`), checked to be a `kind` (for [k]: a list of k) within [low, high], or a 400."""
@@ -97,7 +92,6 @@ def get(body, name, kind, default=None, low=None, high=None, flag=""):
         raise ApiError(400, f"'{name}' must be between {low} and {high}{flag}")
     return value
 
-
 def parse_prompts(body, state) -> list:
     prompts, vocab_size = body.get("prompts"), state.vocab_size
     if not isinstance(prompts, list) or not prompts:
@@ -107,7 +101,6 @@ def parse_prompts(body, state) -> list:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p)):
             raise ApiError(400, f"each prompt must be a non-empty string or a list of token ids in [0, {vocab_size}); got {str(p)[:80]}")
     return prompts
-
 
 def parse_sampling(body, state, extra=()) -> SamplingParams:
     """SamplingParams from the body's fields, within the server's caps, or a 400."""
@@ -129,11 +122,9 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
         raise ApiError(400, f"invalid sampling parameters: {e}") from None
     return params
 
-
 def args_key(body) -> str:
     """The identity of a call by its arguments: the same body finds the same request."""
     return json.dumps({k: v for k, v in body.items() if k not in ("request_id", "timeout")}, sort_keys=True)
-
 
 # -- the futures table: request id -> (task, its arguments' key), oldest first ---------------------
 def submit(app, body, work) -> str:
@@ -148,7 +139,6 @@ def submit(app, body, work) -> str:
     task.add_done_callback(lambda _: asyncio.get_running_loop().call_later(state.opts.result_ttl, expire, app, request_id))
     return request_id
 
-
 def claim(app, body) -> str | None:
     """The oldest request with the identical arguments that no other caller holds; this caller
     then holds it until it is fetched (or gives it back), so identical requests are fetched once each."""
@@ -157,18 +147,15 @@ def claim(app, body) -> str | None:
         state.claimed.add(request_id)
     return request_id
 
-
 def forget(app, request_id) -> asyncio.Task:
     """Drop a request (fetched, aborted or expired); returns its task."""
     app[STATE].claimed.discard(request_id)
     return app[STATE].tasks.pop(request_id)[0]
 
-
 def expire(app, request_id):
     if request_id in app[STATE].tasks:
         forget(app, request_id)
         app[METRICS]["expired"].inc()
-
 
 # -- routes ----------------------------------------------------------------------------------------
 async def health(request):
@@ -182,11 +169,9 @@ async def health(request):
         "transport": state.transport, "max_num_seqs": engine.max_num_seqs, "tools": request.app[ROLLOUT].tool_names,
     }, status=503 if engine.error else 200)
 
-
 def check_serving(app):
     if app[ENGINE].error:
         raise ApiError(503, f"engine unusable: {app[ENGINE].error}")
-
 
 async def when_ready(app, min_version, work):
     """Run `work` (a coroutine function) once weights `min_version` are loaded; the result carries
@@ -197,7 +182,6 @@ async def when_ready(app, min_version, work):
     result = await work()
     return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}
 
-
 async def counted_generate(app, prompts, params, priority=0):
     """engine.generate, counted in /metrics."""
     results = await app[ENGINE].generate(prompts, params, priority)
@@ -205,25 +189,20 @@ async def counted_generate(app, prompts, params, priority=0):
     app[METRICS]["tokens"].inc(sum(len(c.token_ids) for r in results for c in r))
     return results
 
-
 async def run_generate(app, prompts, params, priority):
     results = await counted_generate(app, prompts, params, priority)
     return {"completions": [[vars(c) for c in r] for r in results]}  # vars: asdict deep-copies, 20x slower
-
 
 async def generate(request):
     check_serving(request.app)
     app, body = request.app, await read_json(request)
     prompts, params = parse_prompts(body, app[STATE]), parse_sampling(body, app[STATE], extra=("min_version", "split_prompts"))
-    priority, min_version = get(body, "priority", int, 0), get(body, "min_version", int, 0)
-    if not get(body, "split_prompts", bool, False):
-        work = when_ready(app, min_version, lambda: run_generate(app, prompts, params, priority))
-        return web.json_response({"request_id": submit(app, body, work)}, status=202)
-    # one request per prompt, in one call: each can be collected as soon as its own prompt is done
-    ids = [submit(app, {**body, "prompts": [p], "split_prompts": False},
-                  when_ready(app, min_version, lambda p=p: run_generate(app, [p], params, priority))) for p in prompts]
-    return web.json_response({"request_ids": ids}, status=202)
-
+    priority, min_version, split = get(body, "priority", int, 0), get(body, "min_version", int, 0), get(body, "split_prompts", bool, False)
+    # split: one request per prompt, in one call, each collected as soon as its own prompt is done
+    ids = [submit(app, {**body, "prompts": ps} if split else body,
+                  when_ready(app, min_version, lambda ps=ps: run_generate(app, ps, params, priority)))
+           for ps in ([[p] for p in prompts] if split else [prompts])]
+    return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 async def run_rollout(app, prompts, params, *options):
     episodes = await app[ROLLOUT].rollout(prompts, params, *options)
@@ -231,24 +210,20 @@ async def run_rollout(app, prompts, params, *options):
     app[METRICS]["tokens"].inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
     return {"episodes": [[vars(e) for e in per_prompt] for per_prompt in episodes]}
 
-
 async def rollout(request):
     check_serving(request.app)
     app, body = request.app, await read_json(request)
     prompts, state = parse_prompts(body, app[STATE]), app[STATE]
     params = parse_sampling(body, state, extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version"))
     min_version, max_turns = get(body, "min_version", int, 0), get(body, "max_turns", int, 4, 1, 100)
-    budget, tools = get(body, "max_episode_tokens", int, 256, 1, state.opts.max_model_len), body.get("tools")
-    if tools is not None:
-        get(body, "tools", [str])
-        if not set(tools) <= set(app[ROLLOUT].tool_names):
-            raise ApiError(400, f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}")
+    budget = get(body, "max_episode_tokens", int, 256, 1, state.opts.max_model_len)
+    if (tools := body.get("tools")) is not None and not set(get(body, "tools", [str])) <= set(app[ROLLOUT].tool_names):
+        raise ApiError(400, f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}")
     tags = [get(body, n, str) if body.get(n) is not None else None for n in ("call_start", "call_end")]  # None: the defaults
     if "" in tags:
         raise ApiError(400, "'call_start' and 'call_end' must be non-empty strings")
     work = when_ready(app, min_version, lambda: run_rollout(app, prompts, params, max_turns, budget, tools, *tags))
     return web.json_response({"request_id": submit(app, body, work)}, status=202)
-
 
 async def get_future(request):
     """The result of `request_id`, or of the oldest request with the identical arguments, or
@@ -278,20 +253,16 @@ async def get_future(request):
             raise ApiError(404, f"request {i} was aborted") if task.cancelled() else ApiError(
                 503 if request.app[ENGINE].error else 422, f"request {i} failed: {task.exception()}")
     results = [{"request_id": i, **forget(request.app, i).result()} for i in finished]
-    if "request_ids" in body:  # every one of them that is done: fewer round trips
-        return web.json_response({"results": results})
-    return web.json_response(results[0])
-
+    # by request_ids: every one of them that is done, in one answer (fewer round trips)
+    return web.json_response({"results": results} if "request_ids" in body else results[0])
 
 async def abort(request):
     """Cancel a request (its prompts stop generating) and free it."""
-    body = await read_json(request)
-    request_id = get(body, "request_id", str)
+    request_id = get(await read_json(request), "request_id", str)
     if request_id not in request.app[STATE].tasks:
         raise ApiError(404, f"no such request {request_id}")
     forget(request.app, request_id).cancel()
     return web.json_response({"aborted": request_id})
-
 
 async def init_communicator(request):
     """The trainer chooses the transport; the workers follow. ipc: {transport, gpu (its UUID)};
@@ -320,10 +291,8 @@ async def init_communicator(request):
     state.transport = transport
     return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
 
-
 IPC_HANDLE = {"offset": int, "device": int, "handle": str, "storage_bytes": int, "storage_offset": int, "ref": str,
               "ref_offset": int, "event": (str, type(None)), "event_sync": bool, "gpu": str}
-
 
 def check_buckets(buckets, spec, dtype, transport):
     """Reject an update announcement before anything is received or loaded."""
@@ -355,7 +324,6 @@ def check_buckets(buckets, spec, dtype, transport):
     if missing := sorted(set(spec) - seen):  # vLLM reloads whole (fused) layers: a partial update would load garbage
         raise ApiError(400, f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}")
 
-
 async def update_weights(request):
     """Phase 1 of an update: validate, drain, tell the workers to receive; answer 202 with a
     request id once they are receiving. The trainer then sends and collects the new version
@@ -372,7 +340,6 @@ async def update_weights(request):
         raise ApiError(503, f"weight update refused, version {engine.version} kept: {task.exception()}")
     return web.json_response({"request_id": submit(request.app, body, task)}, status=202)
 
-
 async def run_update(app, buckets, ready):
     engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
     try:
@@ -388,19 +355,13 @@ async def run_update(app, buckets, ready):
     app[METRICS]["version"].set(version)
     return {"version": version, **timings}
 
-
 async def close_communicator(request):
     await request.app[ENGINE].rpc("close_communicator")
     request.app[STATE].transport = None
     return web.json_response({"status": "closed"})
 
-
 async def metrics(request):
-    m = request.app[METRICS]
-    m["in_flight"].set(request.app[ENGINE].in_flight)
-    m["pending"].set(len(request.app[STATE].tasks))
-    return web.Response(body=prom.generate_latest(m["registry"]), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
-
+    return web.Response(body=prom.generate_latest(request.app[METRICS]["registry"]), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
 
 # -- the OpenAI-compatible face: /v1/models, /v1/completions, /v1/chat/completions, /v1/sessions/<id>. ---
 # Every answer carries its tokens (prompt_token_ids; per choice token_ids) and weight_version, and
@@ -409,11 +370,9 @@ async def metrics(request):
 OPENAI_SAMPLING = {"n", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty", "frequency_penalty"}
 OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "logprobs", "top_logprobs", "stream", "user"}
 
-
 async def models(request):
     return web.json_response({"object": "list", "data": [{"id": request.app[ENGINE].args.model, "object": "model",
                                                           "owned_by": "async-grpo"}]})
-
 
 async def openai_completion(request):
     """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes."""
@@ -456,17 +415,12 @@ async def openai_completion(request):
     answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)
     if not stream:
         return web.json_response(answer)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    for choice in answer["choices"]:  # the engine hands over finished requests: one chunk per choice
+    for choice in answer["choices"]:  # the engine hands over finished requests: one event per choice, all at once
         if chat:
             choice["delta"] = choice.pop("message")
-        chunk = {**answer, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]}
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    events = "".join(f"data: {json.dumps({**answer, 'object': kind, 'choices': [c]})}\n\n" for c in answer["choices"])
+    return web.Response(text=events + "data: [DONE]\n\n", content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 def openai_answer(engine, chat, prompt, completions, logprobs, top):
     decode = lambda ids: [engine.tokenizer.decode([t]) for t in ids]  # noqa: E731
@@ -490,7 +444,6 @@ def openai_answer(engine, chat, prompt, completions, logprobs, top):
             "weight_version": completions[0].version, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
                                                                 "total_tokens": len(prompt) + completion_tokens}}
 
-
 def record(app, session_id, prompt, completions):
     """Append a call's choices to its session; the session expires --result-ttl s after its last call."""
     state = app[STATE]
@@ -500,7 +453,6 @@ def record(app, session_id, prompt, completions):
     if session["expiry"]:
         session["expiry"].cancel()
     session["expiry"] = asyncio.get_running_loop().call_later(state.opts.result_ttl, state.sessions.pop, session_id, None)
-
 
 def merge(calls):
     """One episode from a session's calls, if each call's prompt continues the previous call's
@@ -518,7 +470,6 @@ def merge(calls):
     return {"token_ids": ids, "loss_mask": mask, "logprobs": logprobs, "turns": turns, "tool_calls": [],
             "finish_reason": turns[-1]["finish_reason"]}, None
 
-
 async def session(request):
     sessions, session_id = request.app[STATE].sessions, request.match_info["session_id"]
     if session_id not in sessions:
@@ -529,7 +480,6 @@ async def session(request):
     calls = sessions[session_id]["calls"]
     episode, reason = merge(calls)
     return web.json_response({"calls": calls, "episode": episode, "reason": reason})
-
 
 # -- the app ---------------------------------------------------------------------------------------
 @web.middleware
@@ -545,7 +495,6 @@ async def errors(request, handler):
                        "param": None, "code": e.status}
         return web.json_response({"error": message}, status=e.status)
 
-
 @web.middleware
 async def check_key(request, handler):
     """With --api-key, every route but /health and /metrics needs `Authorization: Bearer <key>`."""
@@ -554,7 +503,6 @@ async def check_key(request, handler):
             not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}"):
         raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     return await handler(request)
-
 
 def make_metrics():
     registry = prom.CollectorRegistry()
@@ -569,7 +517,6 @@ def make_metrics():
         "sync_seconds": prom.Histogram("asyncgrpo_weight_sync_seconds", "Seconds per weight update", registry=registry),
     }
 
-
 async def watch_engine(app):
     """Stop the server when vLLM's engine core is gone for good, so that it exits non-zero and a
     supervisor restarts it. AsyncLLM only exposes this as a flag, hence the check every second."""
@@ -579,7 +526,6 @@ async def watch_engine(app):
     app[STATE].engine_died = True
     os.kill(os.getpid(), signal.SIGTERM)  # aiohttp's run_app shuts down gracefully on SIGTERM
 
-
 def make_app(args, opts) -> web.Application:
     """The server for AsyncEngineArgs `args` and flags `opts` (parse_args): the engine starts with
     the app and stops with it."""
@@ -588,7 +534,9 @@ def make_app(args, opts) -> web.Application:
     app[METRICS] = make_metrics()
 
     async def engine_ctx(app):
-        app[ENGINE] = engine = await Engine.start(args)
+        app[ENGINE] = engine = Engine(args)
+        app[METRICS]["in_flight"].set_function(lambda: engine.in_flight)  # read when /metrics is scraped
+        app[METRICS]["pending"].set_function(lambda: len(state.tasks))
         state.vocab_size = engine.llm.model_config.get_vocab_size()
         state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
         state.workers = args.tensor_parallel_size * args.data_parallel_size
@@ -606,18 +554,15 @@ def make_app(args, opts) -> web.Application:
         engine.llm.shutdown()
 
     app.cleanup_ctx.append(engine_ctx)
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)
+    app.add_routes(ROUTES)
     return app
 
-
-ROUTES = [("GET", "/health", health), ("POST", "/generate", generate), ("POST", "/rollout", rollout),
-          ("POST", "/get_future", get_future), ("POST", "/abort", abort), ("POST", "/init_communicator", init_communicator),
-          ("POST", "/update_weights", update_weights), ("POST", "/close_communicator", close_communicator),
-          ("GET", "/metrics", metrics), ("GET", "/v1/models", models), ("POST", "/v1/completions", openai_completion),
-          ("POST", "/v1/chat/completions", openai_completion), ("GET", "/v1/sessions/{session_id}", session),
-          ("DELETE", "/v1/sessions/{session_id}", session)]
-
+ROUTES = [web.get("/health", health), web.post("/generate", generate), web.post("/rollout", rollout),
+          web.post("/get_future", get_future), web.post("/abort", abort), web.post("/init_communicator", init_communicator),
+          web.post("/update_weights", update_weights), web.post("/close_communicator", close_communicator),
+          web.get("/metrics", metrics), web.get("/v1/models", models), web.post("/v1/completions", openai_completion),
+          web.post("/v1/chat/completions", openai_completion), web.get("/v1/sessions/{session_id}", session),
+          web.delete("/v1/sessions/{session_id}", session)]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="async-grpo rollout server: vLLM behind an async HTTP API.")
@@ -657,7 +602,6 @@ def parse_args(argv=None):
                 "so that nobody else can generate or push weights")
     return a
 
-
 def main(argv=None):
     a = parse_args(argv)
     engine_flags = {k: v for k, v in vars(a).items() if k in AsyncEngineArgs.__dataclass_fields__}  # named alike
@@ -665,7 +609,6 @@ def main(argv=None):
     web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
     if app[STATE].engine_died:
         sys.exit("the engine died; see the log above")
-
 
 if __name__ == "__main__":
     main()

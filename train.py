@@ -33,11 +33,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client import Client, ServerError, launch_server, stop_server
 from engine import Episode, save_model, tiny_model
 
-
 def flag(default, help, choices=None):
     """A Config field, exposed by parse_config as a --flag with this help."""
     return field(default=default, metadata={"help": help, "choices": choices})
-
 
 @dataclass
 class Config:
@@ -101,7 +99,6 @@ class Config:
         """Sequences in one micro-batch of a step: what overlap-priority admits at a time."""
         return self.prompts_per_step // self.micro_batches * self.group_size
 
-
 def parse_config(argv=None) -> Config:
     p = argparse.ArgumentParser(description="GRPO with asynchronous rollouts (see the module docstring).")
     for f in fields(Config):
@@ -112,20 +109,17 @@ def parse_config(argv=None) -> Config:
     except ValueError as e:
         p.error(str(e))
 
-
 # -- data and reward -------------------------------------------------------------------------------
 def addition_data(n, seed, digits=5):
     """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
     rng = random.Random(seed)
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))]
 
-
 def calculator_data(n, seed):
     """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
     rng = random.Random(seed)
     qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
     return [{"prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n", "answer": str(eval(q))} for q in qs]
-
 
 def load_data(cfg):
     """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
@@ -144,7 +138,6 @@ def load_data(cfg):
         raise ValueError(f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts")
     return data, held_out
 
-
 def reward(completion: str, answer: str, partial=False) -> float:
     """1 if the last number in the completion equals the answer, else 0. With `partial` (the
     built-in task) an answer off by one earns 2/3 and off by two 1/3: a denser signal for the
@@ -155,7 +148,6 @@ def reward(completion: str, answer: str, partial=False) -> float:
     except ValueError:
         return 0.0
     return max(0.0, 1 - diff / 3) if partial else float(diff == 0)
-
 
 def warm_start(base, path, steps, seed):
     """Teach the tiny model the answer *format* ("a+b=" -> a number, then end-of-text) with
@@ -178,13 +170,11 @@ def warm_start(base, path, steps, seed):
     save_model(model, tok, path)
     return path
 
-
 # -- GRPO: advantages and the policy-gradient loss -------------------------------------------------
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """(prompts, G) rewards -> advantages normalised within each group; equal rewards -> 0."""
     mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
     return (rewards - mean) / (std + 1e-4)
-
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
     """Right-padded (B, T) input_ids, attention, and a loss mask that is 1 on completion tokens
@@ -201,7 +191,6 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
         old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])  # (B, T)
         batch["old_logprobs"] = old[:, 1:]
     return batch
-
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature: the server sampled from
@@ -223,7 +212,6 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
            for i in range(0, len(targets), chunk_tokens)]
     return torch.cat(out).view(ids.shape[0], -1).cpu()
 
-
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
     logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
@@ -233,7 +221,6 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
     w = torch.where(stale[:, None], ratio, torch.ones_like(ratio))
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
-
 
 def sequence(row, sample, tok, partial=False):
     """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward,
@@ -246,7 +233,6 @@ def sequence(row, sample, tok, partial=False):
             "logprobs": [None] * len(prompt) + sample.logprobs,
             "reward": reward(sample.text, row["answer"], partial), "versions": [sample.version]}
 
-
 # -- the schedules: submit() sends a step's prompts, collect() hands them to the trainer -----------
 def requester(client, cfg):
     """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
@@ -254,7 +240,6 @@ def requester(client, cfg):
         return functools.partial(client.rollout, tools=["calc"], max_turns=cfg.max_turns,
                                  max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16))
     return client.generate
-
 
 def submit(client, rows, cfg, min_version=0):
     """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
@@ -271,7 +256,6 @@ def submit(client, rows, cfg, min_version=0):
         chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
         return [(c, request([r["prompt"] for r in c], priority=i, **sampling)) for i, c in enumerate(chunks)]
     return [(rows, request([r["prompt"] for r in rows], **sampling))]  # sync-batch: the whole step as one request
-
 
 def collect(client, rows, submitted, cfg):
     """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G], in the order
@@ -298,12 +282,10 @@ def collect(client, rows, submitted, cfg):
         for i in range(N):
             yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size], [future.timing]
 
-
 # -- evaluation ------------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
     """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
 
 def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's current weights, at the sampling
@@ -322,12 +304,10 @@ def evaluate(client, rows, cfg):
             per_task.setdefault(task, []).append(correct)
     return {f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for task, cs in per_task.items() for k in ks}
 
-
 # -- logging ---------------------------------------------------------------------------------------
 def plot(history, path, evals=()):
-    """Reward per step, the time each step spent, and a timeline of a few steps: when the server
-    generated each micro-batch and when the trainer trained on it and pushed weights. `evals`:
-    [(step, evaluate()'s result)], drawn with the reward."""
+    """Reward per step, the time each step spent, and a timeline of a few steps (draw_timeline).
+    `evals`: [(step, evaluate()'s result)], drawn with the reward."""
     import matplotlib.pyplot as plt
 
     plt.switch_backend("agg")
@@ -353,7 +333,6 @@ def plot(history, path, evals=()):
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
 def draw_timeline(ax, history, steps=4):
     """A few steps from the middle of a run, from metrics.jsonl's intervals: when the server
     generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
@@ -364,7 +343,6 @@ def draw_timeline(ax, history, steps=4):
             ax.broken_barh([(a - t0, b - a) for a, b in h["intervals"][key]], (lane - 0.4, 0.8), color=color, alpha=0.5)
     ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
     ax.set_xlabel(f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)")
-
 
 # -- the loop --------------------------------------------------------------------------------------
 def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
@@ -393,7 +371,6 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
     return {"rewards": torch.cat(rewards_all), "tokens": tokens, "staleness": staleness, "is_weights": torch.cat(weights),
             "gen": gen, "train": trained}
 
-
 def backward(model, seqs, advantages, lag, cfg, pad_id):
     """Accumulate the policy gradient of `seqs` (advantages and lags (B,)), --train-micro-batch
     sequences per forward/backward: any split gives the same summed gradient. Returns the number
@@ -411,13 +388,11 @@ def backward(model, seqs, advantages, lag, cfg, pad_id):
         weights.append(w[(lag[sl] > 0)[:, None] & (batch["mask"] > 0)])
     return tokens, torch.cat(weights)
 
-
 def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
     """The best speed-up over generating and then training, for these times: on-policy, the
     overlap hides all but one of N micro-batches of the shorter phase; one step stale, all of it."""
     hidden = 0 if max_staleness else min(gen_s, train_s) / N
     return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
-
 
 @contextlib.contextmanager
 def unless_lost():
@@ -429,12 +404,10 @@ def unless_lost():
         if not server_lost(e):
             raise
 
-
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
     our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
     return not isinstance(e, ServerError) or e.status == 404 or e.status >= 500
-
 
 def reconnect(client, model, cfg, why):
     """The server restarted or cannot be reached: wait for it (at most --reconnect-timeout s),
@@ -452,7 +425,6 @@ def reconnect(client, model, cfg, why):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not come back within --reconnect-timeout {cfg.reconnect_timeout} s: {e}") from None
             time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
-
 
 def train(cfg: Config, client: Client):
     torch.manual_seed(cfg.seed)
@@ -531,36 +503,31 @@ def train(cfg: Config, client: Client):
     print(f"outputs in {cfg.out}")
     return history
 
-
 def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
     """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
     (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
     rest of the step, when the trainer waited for samples."""
     gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
     train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), s["sync"][0][1] - s["sync"][0][0], time.time() - t_step
-    rewards, w = s["rewards"], s["is_weights"]
+    rewards, w = s["rewards"], s["is_weights"] if len(s["is_weights"]) else torch.ones(1)  # no stale samples: weight 1
     row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
            "version": version, "schedule": cfg.schedule, "grad_norm": s["grad_norm"], "tokens": s["tokens"],
            "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s, "step_s": step_s,
            "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
            "staleness": sum(s["staleness"]) / len(s["staleness"]),
-           "is_weight_mean": w.mean().item() if len(w) else 1.0, "is_weight_max": w.max().item() if len(w) else 1.0,
-           "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(w) else 0.0,
+           "is_weight_mean": w.mean().item(), "is_weight_max": w.max().item(), "is_clipped": (w >= cfg.is_cap).float().mean().item(),
            "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]] for k in ("gen", "train", "sync")}}
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
 
-
 def final_eval(client, held_out, cfg):
     """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out."""
     result = evaluate(client, held_out, cfg)
     print(f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples; " + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k))
-    os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "eval.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
-
 
 def main(argv=None):
     cfg = parse_config(argv)
@@ -568,11 +535,11 @@ def main(argv=None):
         cfg.model = warm_start(tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed)
     print(json.dumps(asdict(cfg)))
     run = (lambda client: final_eval(client, load_data(cfg)[1], cfg)) if cfg.eval_only else functools.partial(train, cfg)
+    os.makedirs(cfg.out, exist_ok=True)
     if cfg.server_url:
         return run(Client(cfg.server_url))
     # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a time
     throttle = ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.schedule == "overlap-priority" else ()
-    os.makedirs(cfg.out, exist_ok=True)
     proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, *throttle,
                                  "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
                                  "--seed", str(cfg.seed), log_path=os.path.join(cfg.out, "server.log"))
@@ -580,7 +547,6 @@ def main(argv=None):
         return run(client)
     finally:
         stop_server(proc)
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

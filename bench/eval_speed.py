@@ -117,7 +117,7 @@ def main():
     loop = asyncio.new_event_loop()  # the async side's engine lives on its own loop, in a thread
     threading.Thread(target=loop.run_forever, daemon=True).start()
     run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(600)  # noqa: E731
-    engine = run(Engine.start(args))
+    engine = Engine(args)
     rollouts = RolloutEngine(engine, tools={"lookup": latency_tool(a.tool_latency)}, call_end=a.call_end, result_format=RESULT)
     llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization, seed=0)

@@ -34,7 +34,7 @@ class SyncEngine:
     def __init__(self, args: AsyncEngineArgs):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.engine = self._run(Engine.start(args), timeout=600)
+        self.engine = Engine(args)  # its output handler starts on the loop with the first request
 
     def _run(self, coro, timeout):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -36,7 +36,7 @@ SCHEDULES = {"sync-batch": (0, ()), "overlap": (0, ()), "overlap K=1": (1, ()),
 
 async def generation_floor(model, steps=20):
     """Median seconds the engine alone takes to generate one step's samples."""
-    engine, prompts = await Engine.start(engine_args(model)), [r["prompt"] for r in train.addition_data(4, 0)]
+    engine, prompts = Engine(engine_args(model)), [r["prompt"] for r in train.addition_data(4, 0)]
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
