@@ -2,10 +2,21 @@
 
     .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
     .venv/bin/python bench/overlap.py --steps 6 --num-layers 6    # a bigger model: T grows faster than G
+    python3 bench/overlap.py --device cuda:1 --dtype bfloat16    # two GPUs: 64 prompts x 8 x <=128 tokens, ~340M params
 
-Core 0 plays the inference GPU: servers are started pinned to it (their children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0.
-Core 1 plays the training GPU: this process, one torch thread. `train.train` runs once per schedule
-with the same Config except the schedule and `out`, each on the server settings it needs:
+CPU (--device cpu, the default): core 0 plays the inference GPU: servers are started pinned to it
+(their children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
+GPU: this process, one torch thread.
+Two GPUs (--device cuda:1): no pinning. Each server is started on GPU 0 (launch_server's default GPU)
+with --dtype DTYPE and --gpu-memory-utilization 0.5, compiled with CUDA graphs (no --enforce-eager).
+This process trains on cuda:1 (train.Config(device="cuda:1", bf16=True): fp32 master weights, bf16
+autocast) and pushes its weights over NCCL (the client's choice for a trainer on another GPU than the
+server's). The model is bigger than on CPU (by default hidden 1536 x 16 layers, 24 heads of 64, 12 KV
+heads: ~340M parameters, random weights in --dtype) and so is the step (64 prompts x 8 x <=128
+tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=` line
+shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
+Either way `train.train` runs once per schedule with the same Config except the schedule and `out`,
+each on the server settings it needs:
   sync-batch        the baseline: the whole step as one batch, then train; unthrottled server
   overlap           the default: the whole step submitted at once, micro-batches of prompts trained
                     on in the order their groups finish; unthrottled server
@@ -21,6 +32,7 @@ noisy, which is all a timing benchmark needs.
 
 Per schedule, medians over steps after the first `--warmup` of train.py's metrics.jsonl: G
 (`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`), idle, step, tokens.
+Then `G/T=` of the sync-batch run.
 The last lines are `overlap_speedup=<x> bound=<b> efficiency=<x/b>` (x = sync-batch step time over
 overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from the sync-batch run) and
 `stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`. Then it draws `--out`/timeline.png: three
@@ -28,6 +40,7 @@ steps each of sync-batch, overlap and overlap K=1 on one time axis (train.draw_t
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,34 +62,69 @@ def medians(history, warmup):
     return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
 
 
+# the defaults that depend on --device: (CPU, GPU)
+DEFAULTS = {"hidden_size": (256, 1536), "num_layers": (4, 16), "prompts_per_step": (48, 64), "max_tokens": (32, 128)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda:1"], default="cpu",
+                   help="cpu: server on core 0, trainer on core 1; cuda:1: server on GPU 0, trainer on GPU 1 (see above)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the model's and the server's weight dtype (the trainer keeps fp32 master weights)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per schedule")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each schedule left out of the medians")
-    p.add_argument("--hidden-size", type=int, default=256, help="hidden size of the tiny Qwen2 (bigger: T grows faster than G)")
-    p.add_argument("--num-layers", type=int, default=4, help="layers of the tiny Qwen2")
-    p.add_argument("--prompts-per-step", type=int, default=48, help="prompts per optimizer step")
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="hidden size of the tiny Qwen2 (bigger: T grows faster than G; default 256 on CPU, 1536 on GPUs)")
+    p.add_argument("--num-layers", type=int, default=None, help="layers of the tiny Qwen2 (default 4 on CPU, 16 on GPUs)")
+    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per optimizer step (default 48 on CPU, 64 on GPUs)")
     p.add_argument("--micro-batches", type=int, default=4, help="N: micro-batches per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=32, help="completion length limit")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion length limit (default 32 on CPU, 128 on GPUs)")
     p.add_argument("--lr", type=float, default=1e-4, help="small, so the policy (and its completion lengths, i.e. the work per step) stays put")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-overlap"), help="folder for the runs and server.log")
     args = p.parse_args()
+    gpu = args.device != "cpu"
+    for name, (on_cpu, on_gpu) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_gpu if gpu else on_cpu)
 
-    torch.set_num_threads(1)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine: its OpenMP threads on core 0
-    model = tiny_model(path=f"{TINY_MODEL_DIR}-h{args.hidden_size}-l{args.num_layers}",
-                       hidden_size=args.hidden_size, num_layers=args.num_layers)
+    h, layers = args.hidden_size, args.num_layers
+    if gpu:  # the server on GPU 0, the trainer on GPU 1: no pinning
+        if torch.cuda.device_count() < 2:
+            p.error(f"--device cuda:1 needs two GPUs; {torch.cuda.device_count()} visible")
+        torch.cuda.set_device(args.device)  # this process's CUDA work on the trainer's GPU
+        # heads of 64 (tiny_model's default is 32): a head size every GPU attention backend has kernels for
+        model = tiny_model(path=f"{TINY_MODEL_DIR}-h{h}-l{layers}-{args.dtype}-hd64", hidden_size=h, num_layers=layers,
+                           dtype=args.dtype, num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 128), head_dim=64)
+        server_flags = ("--dtype", args.dtype, "--gpu-memory-utilization", "0.5")
+        trainer = {"device": args.device, "dtype": args.dtype, "bf16": True, "gpu_memory_utilization": 0.5}
+    else:
+        torch.set_num_threads(1)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine: its OpenMP threads on core 0
+        model = tiny_model(path=f"{TINY_MODEL_DIR}-h{h}-l{layers}" + ("" if args.dtype == "float32" else f"-{args.dtype}"),
+                           hidden_size=h, num_layers=layers, dtype=args.dtype)
+        server_flags = () if args.dtype == "float32" else ("--dtype", args.dtype)  # the server's default is float32
+        trainer = {"dtype": args.dtype}
     seqs = train.Config(model=model, prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
                         group_size=args.group_size).micro_batch_seqs  # overlap-priority: one micro-batch at a time
+    if gpu:
+        print(f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the servers), cuda:1 {torch.cuda.get_device_name(1)} (the trainer); "
+              f"model: {model}, {parameters(model) / 1e6:.0f}M parameters, {args.dtype}", flush=True)
     runs = {"sync-batch": ("sync-batch", 0, ()), "overlap": ("overlap", 0, ()), "overlap K=1": ("overlap", 1, ()),
             "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs)))}
     os.makedirs(args.out, exist_ok=True)
     results, histories = {}, {}
     for flags in sorted({f for _, _, f in runs.values()}):
-        os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
-        proc, client = launch_server("--model", model, *flags, log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
-        os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
+        if not gpu:
+            os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
+        proc, client = launch_server("--model", model, *server_flags, *flags,
+                                     log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
+        if not gpu:
+            os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
+        else:
+            print(f"server {' '.join(flags) or '(unthrottled)'}: decodes at most {client.health()['max_num_seqs']} sequences at once",
+                  flush=True)
         try:
             for name, (schedule, staleness, needs) in runs.items():
                 if needs != flags:
@@ -84,7 +132,7 @@ def main():
                 cfg = train.Config(model=model, out=os.path.join(args.out, name.replace(" ", "-")), steps=args.steps, schedule=schedule,
                                    max_staleness=staleness, prompts_per_step=args.prompts_per_step,
                                    micro_batches=args.micro_batches, group_size=args.group_size, max_tokens=args.max_tokens,
-                                   lr=args.lr)
+                                   lr=args.lr, **trainer)
                 print(json.dumps(vars(cfg)), f"server flags: {' '.join(flags) or 'none'}", flush=True)
                 histories[name] = train.train(cfg, client)
                 results[name] = medians(histories[name], args.warmup)
@@ -100,12 +148,21 @@ def main():
         print(f"{name:<17} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")) + f" {m['tokens']:7.0f}")
     base = results["sync-batch"]
     G, T, S = base["G"], base["T"], base["S"]
+    print(f"G/T={G / T:.2f} (sync-batch: G={G:.3f} s, T={T:.3f} s, S={S:.3f} s per step)")
     x, b = base["step"] / results["overlap"]["step"], train.overlap_bound(G, T, S, N, max_staleness=0)
     print(f"overlap_speedup={x:.3f} bound={b:.3f} efficiency={x / b:.3f}")
     print(f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
           f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}")
     print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
     draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
+
+
+def parameters(model):
+    """Parameters of the checkpoint in folder `model` (the tied output layer counted once)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def draw_timelines(histories, results, N, path):

@@ -3,6 +3,7 @@
     .venv/bin/python bench/weight_sync.py                   # CPU: 512 hidden x 24 layers, float32, gloo
     .venv/bin/python bench/weight_sync.py --bucket-mb 64    # the same with smaller buckets
     python3 bench/weight_sync.py --device cuda              # GPU: a Qwen2.5-0.5B-shaped model, bf16, one GPU
+    python3 bench/weight_sync.py --device cuda:1            # the same model on two GPUs: server on 0, trainer on 1, NCCL
 
 CPU (--device cpu), side by side in one run, on a Qwen2 built by engine.tiny_model (float32):
   1. raw:       one gloo broadcast of the same number of bytes as one uint8 buffer between two
@@ -22,6 +23,23 @@ the same GPU as the server (which takes --gpu-memory-utilization 0.3):
   2. ours ipc:  client.update_model_params(model) with the `ipc` transport (the default here).
   3. ours gloo: the same with the `gloo` transport, through CPU buffers on both sides.
   The last line is `seconds_per_update=<ipc> ipc_vs_raw=<raw / ipc> ipc_vs_gloo=<gloo / ipc>`.
+Two GPUs (--device cuda:1): the same Qwen2.5-0.5B-shaped bf16 model. The server takes GPU 0 (as in
+--device cuda: launch_server's default GPU, --gpu-memory-utilization 0.3, --enforce-eager); this
+process is the trainer, its model copy on cuda:1. Every side sends from cuda:1 and receives on cuda:0,
+each rank's NCCL communicator on its own GPU (client.weight_group). The two baselines run first, so
+both GPUs are free when the server starts:
+  1. raw:       one NCCL broadcast of the same number of bytes as one uint8 buffer, from this process
+                (rank 0, the buffer on cuda:1) to a spawned plain process (rank 1, its buffer on cuda:0);
+                the limit. A handshake broadcast from the receiver precedes each round (not timed);
+                timed on the sender until the broadcast has completed (the device is synchronized).
+  2. per-param: as on the CPU, one HTTP call and one NCCL broadcast per tensor, into a spawned receiver
+                on cuda:0 whose HF copy of the model is bf16 on cuda:0; the trainer's tensors on cuda:1.
+                It EXCLUDES the engine's weight loading: a lower bound on a real per-parameter path.
+  3. ours nccl: client.init_communicator(transport="nccl", device="cuda:1"), then
+                client.update_model_params(model): packed buckets, one NCCL broadcast each, into the
+                server's worker on GPU 0, which then loads them (receive_s, load_s: the worker's split).
+  The first lines name the GPUs and the model; the last is `seconds_per_update=<ours>
+  nccl_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>`.
 Each is the median of its rounds, after one warm-up.
 """
 import argparse
@@ -48,15 +66,30 @@ QWEN25_05B = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_ke
                   vocab_size=151936)
 
 
-def init_group(host, port, rank, world_size):
+def init_group(host, port, rank, world_size, device="cpu"):
+    """gloo on the CPU; on a GPU, NCCL with this rank's communicator on `device` (its own GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's CUDA work, NCCL's streams included, on its GPU
+        return weight_group("nccl", host, port, rank, world_size, weight_sync_timeout=120, device=device)
     return weight_group("gloo", host, port, rank, world_size, weight_sync_timeout=120)
 
 
 def broadcast(group, tensor, root=0):
-    """A blocking gloo broadcast from `root` (the handshakes go from the receiver, rank 1)."""
+    """A blocking broadcast from `root` (the handshakes go from the receiver, rank 1). gloo's wait()
+    blocks until it is done; NCCL's only makes the current CUDA stream wait, so the device is
+    synchronized too: on return the tensor has really been sent or received."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     group.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+def leave(group):
+    """An NCCL group is aborted, as client.py does (a shutdown waits until every rank leaves); gloo: nothing."""
+    if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+        group.abort()
 
 
 def median_seconds(fn, rounds):
@@ -74,30 +107,35 @@ def median_seconds(fn, rounds):
 # 1. raw: one uint8 buffer between two plain processes
 
 
-def raw_receiver(port, nbytes, rounds):
-    group = init_group("127.0.0.1", port, 1, 2)
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+def raw_receiver(port, nbytes, rounds, device="cpu"):
+    group = init_group("127.0.0.1", port, 1, 2, device)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for _ in range(rounds):
-        broadcast(group, torch.ones(1), root=1)  # handshake: the receiver is ready
+        broadcast(group, torch.ones(1, device=device), root=1)  # handshake: the receiver is ready
         broadcast(group, buffer)
+    leave(group)
 
 
-def raw_broadcast_seconds(nbytes, rounds):
+def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
+    """Median seconds of one broadcast of `nbytes` from this process (on `device`) to a spawned one
+    (on `receiver_device`): gloo on the CPU, NCCL between GPUs."""
     port = free_port()
-    receiver = multiprocessing.get_context("spawn").Process(target=raw_receiver, args=(port, nbytes, 1 + rounds))
+    receiver = multiprocessing.get_context("spawn").Process(target=raw_receiver,
+                                                            args=(port, nbytes, 1 + rounds, receiver_device))
     receiver.start()
-    group = init_group("127.0.0.1", port, 0, 2)  # rank 0 hosts the rendezvous
-    buffer = torch.ones(nbytes, dtype=torch.uint8)
+    group = init_group("127.0.0.1", port, 0, 2, device)  # rank 0 hosts the rendezvous
+    buffer = torch.ones(nbytes, dtype=torch.uint8, device=device)
 
     def one_round():
-        broadcast(group, torch.zeros(1), root=1)  # wait until the receiver is ready (not timed below)
+        broadcast(group, torch.zeros(1, device=device), root=1)  # wait until the receiver is ready (not timed below)
         start = time.perf_counter()
-        broadcast(group, buffer)
+        broadcast(group, buffer)  # on a GPU: until the device is synchronized, i.e. the broadcast has completed
         return time.perf_counter() - start
 
     one_round()  # warm-up
     seconds = statistics.median(one_round() for _ in range(rounds))
     receiver.join()
+    leave(group)
     return seconds
 
 
@@ -105,35 +143,41 @@ def raw_broadcast_seconds(nbytes, rounds):
 # 3. per-param: the baseline, one HTTP call + one broadcast per tensor, into an HF model (no engine)
 
 
-def per_param_receiver(path, group_port, http_port):
+def per_param_receiver(path, group_port, http_port, device="cpu", dtype="float32"):
     """Rank 1 until terminated: POST /update_param {name, dtype, shape} receives that one tensor
-    and copies it into the matching parameter of an HF model loaded from the same checkpoint."""
+    and copies it into the matching parameter of an HF model loaded from the same checkpoint
+    (in `dtype` on `device`; on a GPU the tensors come over NCCL)."""
     import socket
 
     from aiohttp import web
     from transformers import AutoModelForCausalLM
 
-    params = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    params = dict(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).named_parameters())
 
     async def update_param(request):
         body = await request.json()
-        buffer = torch.empty(body["shape"], dtype=getattr(torch, body["dtype"]))
+        buffer = torch.empty(body["shape"], dtype=getattr(torch, body["dtype"]), device=device)
         broadcast(group, buffer)  # blocks the event loop: the trainer sends one tensor at a time anyway
-        params[body["name"]].data.copy_(buffer)
+        params[body["name"]].data.copy_(buffer)  # on a GPU: queued on the stream, before anything later
         return web.json_response({"name": body["name"]})
 
     sock = socket.create_server(("127.0.0.1", http_port))  # connections queue from here on, so once
-    group = init_group("127.0.0.1", group_port, 1, 2)  # the trainer has joined, it may post
+    group = init_group("127.0.0.1", group_port, 1, 2, device)  # the trainer has joined, it may post
     app = web.Application()
     app.router.add_post("/update_param", update_param)
     web.run_app(app, sock=sock, print=None)  # SIGTERM ends it
+    leave(group)
 
-def per_param_seconds(path, model, rounds):
+def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", receiver_dtype="float32"):
+    """Median seconds of sending `model` (its tensors on `device`) one tensor at a time into a
+    per_param_receiver (its model in `receiver_dtype` on `receiver_device`)."""
     group_port, http_port = free_port(), free_port()
-    receiver = multiprocessing.get_context("spawn").Process(target=per_param_receiver, args=(path, group_port, http_port))
+    receiver = multiprocessing.get_context("spawn").Process(
+        target=per_param_receiver, args=(path, group_port, http_port, receiver_device, receiver_dtype))
     receiver.start()
+    group = None
     try:
-        group = init_group("127.0.0.1", group_port, 0, 2)  # rank 0 hosts the rendezvous
+        group = init_group("127.0.0.1", group_port, 0, 2, device)  # rank 0 hosts the rendezvous
         url, http = f"http://127.0.0.1:{http_port}/update_param", requests.Session()
 
         def update():
@@ -147,8 +191,13 @@ def per_param_seconds(path, model, rounds):
 
         return median_seconds(update, rounds)
     finally:
+        if group is not None:
+            leave(group)
         receiver.terminate()
-        receiver.join()
+        receiver.join(60)
+        if receiver.is_alive():  # it did not leave its group in time
+            receiver.kill()
+            receiver.join()
 
 
 def cuda_main(a):
@@ -167,7 +216,7 @@ def cuda_main(a):
         torch.cuda.synchronize()
 
     raw = median_seconds(copy, a.rounds)
-    del src, dst
+    src = dst = None  # free both before the server starts (not `del`: copy() closes over them)
     print(f"raw copy on GPU:   {raw:7.4f} s  ({nbytes / 2**30 / raw:6.0f} GiB/s)", flush=True)
 
     proc, client = launch_server("--model", path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--enforce-eager",
@@ -187,6 +236,45 @@ def cuda_main(a):
     print(f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} ipc_vs_gloo={seconds['gloo'] / ipc:.1f}")
 
 
+def two_gpu_main(a):
+    """--device cuda:1: the server on GPU 0, the trainer (this process) on GPU 1, weights over NCCL."""
+    from transformers import AutoModelForCausalLM
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"--device cuda:1 needs two GPUs; {torch.cuda.device_count()} visible")
+    trainer, receiver = torch.device("cuda", 1), torch.device("cuda", 0)  # the server takes GPU 0
+    torch.cuda.set_device(trainer)  # this process's CUDA work (and its NCCL groups') on GPU 1
+    print(f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the server, the baselines' receivers); "
+          f"cuda:1 {torch.cuda.get_device_name(1)} (the trainer, every sender)", flush=True)
+    path = tiny_model(path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"), dtype="bfloat16", **QWEN25_05B)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(trainer)
+    named = list(model.named_parameters())  # the tied lm_head is listed once, as the client sends it
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    print(f"model: Qwen2.5-0.5B shape, {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters, {len(named)} tensors, "
+          f"{nbytes / 2**20:.1f} MiB bfloat16, the trainer's copy on cuda:1", flush=True)
+
+    # the baselines first, while both GPUs are free of the server
+    raw = raw_broadcast_seconds(nbytes, a.rounds, trainer, receiver)
+    print(f"raw NCCL broadcast cuda:1 -> cuda:0:  {raw:7.4f} s  ({nbytes / 2**30 / raw:6.1f} GiB/s)", flush=True)
+    per_param = per_param_seconds(path, model, a.per_param_rounds, trainer, receiver, "bfloat16")
+    print(f"per-param over NCCL:                 {per_param:7.4f} s  ({nbytes / 2**30 / per_param:6.1f} GiB/s)  "
+          "excludes engine weight loading (into an HF copy on cuda:0): a lower bound", flush=True)
+
+    proc, client = launch_server("--model", path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--enforce-eager",
+                                 log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"))
+    try:
+        client.init_communicator(transport="nccl", device="cuda:1")
+        bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
+        ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
+        last = client.last_update  # where the worker spent the last update
+        print(f"ours (nccl, packed):                 {ours:7.4f} s  ({nbytes / 2**30 / ours:6.1f} GiB/s)  "
+              f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s", flush=True)
+        client.close_communicator()
+    finally:
+        stop_server(proc)
+    print(f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=512, help="hidden size of the benchmark model")
@@ -194,10 +282,13 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="timed rounds for raw and ours (the median is reported)")
     p.add_argument("--per-param-rounds", type=int, default=3, help="timed rounds of the per-parameter baseline")
     p.add_argument("--bucket-mb", type=int, default=None, help="bucket size for ours (default: the client's default)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU benchmark (see above)")
+    p.add_argument("--device", choices=["cpu", "cuda", "cuda:1"], default="cpu",
+                   help="cuda: the one-GPU benchmark; cuda:1: the two-GPU one, the trainer on GPU 1 (see above)")
     a = p.parse_args()
     if a.device == "cuda":
         return cuda_main(a)
+    if a.device == "cuda:1":
+        return two_gpu_main(a)
 
     from transformers import AutoModelForCausalLM
 
