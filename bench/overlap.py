@@ -2,17 +2,18 @@
 
     .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
     .venv/bin/python bench/overlap.py --steps 6 --num-layers 6    # a bigger model: T grows faster than G
-    python3 bench/overlap.py --device cuda:1 --dtype bfloat16    # two GPUs: 64 prompts x 8 x <=128 tokens, ~340M params
+    python3 bench/overlap.py --device cuda:1 --dtype bfloat16    # two GPUs: 64 prompts x 8 x <=128 tokens, ~1.06B params
 
 CPU (--device cpu, the default): core 0 plays the inference GPU: servers are started pinned to it
 (their children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
 GPU: this process, one torch thread.
 Two GPUs (--device cuda:1): no pinning. Each server is started on GPU 0 (launch_server's default GPU)
-with --dtype DTYPE and --gpu-memory-utilization 0.5, compiled with CUDA graphs (no --enforce-eager).
+with --dtype DTYPE, --gpu-memory-utilization 0.5 and, unthrottled, --max-num-seqs = the step's
+sequences (vLLM's default there is 128 at a time), compiled with CUDA graphs (no --enforce-eager).
 This process trains on cuda:1 (train.Config(device="cuda:1", bf16=True): fp32 master weights, bf16
 autocast) and pushes its weights over NCCL (the client's choice for a trainer on another GPU than the
-server's). The model is bigger than on CPU (by default hidden 1536 x 16 layers, 24 heads of 64, 12 KV
-heads: ~340M parameters, random weights in --dtype) and so is the step (64 prompts x 8 x <=128
+server's). The model is bigger than on CPU (by default hidden 2048 x 28 layers, 32 heads of 64, 16 KV
+heads: ~1.06B parameters, random weights in --dtype) and so is the step (64 prompts x 8 x <=128
 tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=` line
 shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
 Either way `train.train` runs once per schedule with the same Config except the schedule and `out`,
@@ -63,7 +64,7 @@ def medians(history, warmup):
 
 
 # the defaults that depend on --device: (CPU, GPU)
-DEFAULTS = {"hidden_size": (256, 1536), "num_layers": (4, 16), "prompts_per_step": (48, 64), "max_tokens": (32, 128)}
+DEFAULTS = {"hidden_size": (256, 2048), "num_layers": (4, 28), "prompts_per_step": (48, 64), "max_tokens": (32, 128)}
 
 
 def main():
@@ -75,8 +76,8 @@ def main():
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per schedule")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each schedule left out of the medians")
     p.add_argument("--hidden-size", type=int, default=None,
-                   help="hidden size of the tiny Qwen2 (bigger: T grows faster than G; default 256 on CPU, 1536 on GPUs)")
-    p.add_argument("--num-layers", type=int, default=None, help="layers of the tiny Qwen2 (default 4 on CPU, 16 on GPUs)")
+                   help="hidden size of the tiny Qwen2 (bigger: T grows faster than G; default 256 on CPU, 2048 on GPUs)")
+    p.add_argument("--num-layers", type=int, default=None, help="layers of the tiny Qwen2 (default 4 on CPU, 28 on GPUs)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per optimizer step (default 48 on CPU, 64 on GPUs)")
     p.add_argument("--micro-batches", type=int, default=4, help="N: micro-batches per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
@@ -97,7 +98,9 @@ def main():
         # heads of 64 (tiny_model's default is 32): a head size every GPU attention backend has kernels for
         model = tiny_model(path=f"{TINY_MODEL_DIR}-h{h}-l{layers}-{args.dtype}-hd64", hidden_size=h, num_layers=layers,
                            dtype=args.dtype, num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 128), head_dim=64)
-        server_flags = ("--dtype", args.dtype, "--gpu-memory-utilization", "0.5")
+        # vLLM's default admits 128 sequences at a time here; unthrottled means the whole step at once
+        server_flags = ("--dtype", args.dtype, "--gpu-memory-utilization", "0.5",
+                        "--max-num-seqs", str(args.prompts_per_step * args.group_size))
         trainer = {"device": args.device, "dtype": args.dtype, "bf16": True, "gpu_memory_utilization": 0.5}
     else:
         torch.set_num_threads(1)
