@@ -376,6 +376,7 @@ class Client:
         reply = self._request("POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
                               timeout=self.weight_sync_timeout * 2 + 30)
         try:  # phase 2
+            start = time.perf_counter()
             if self.transport != "ipc":
                 sending = [None, None]  # the work in flight from each buffer
                 for i, (bucket, tensors) in enumerate(buckets):
@@ -386,11 +387,12 @@ class Client:
                     sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
                 for work in filter(None, sending):
                     finish(*work, self.weight_sync_timeout)
-            self.last_update = self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))
+            send_s = time.perf_counter() - start  # packing and sending every bucket; ipc: nothing to send
+            self.last_update = {"send_s": send_s, **self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))}
         except Exception:
             self._drop_group()  # a failed update: the server's workers left the group too
             raise
-        return self.last_update["version"]  # and receive_s, load_s: where the workers spent it
+        return self.last_update["version"]  # and send_s here, receive_s and load_s in the workers: where the time went
 
     def _named_tensors(self, model):
         """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens) is

@@ -477,8 +477,7 @@ async def session(request):
     if request.method == "DELETE":
         sessions.pop(session_id)["expiry"].cancel()
         return web.json_response({"deleted": session_id})
-    calls = sessions[session_id]["calls"]
-    episode, reason = merge(calls)
+    episode, reason = merge(calls := sessions[session_id]["calls"])
     return web.json_response({"calls": calls, "episode": episode, "reason": reason})
 
 # -- the app ---------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ both GPUs are free when the server starts:
                 client.update_model_params(model): packed buckets, one NCCL broadcast each, into the
                 server's worker on GPU 0, which then loads them (receive_s, load_s: the worker's split).
   The first lines name the GPUs and the model; the last is `seconds_per_update=<ours>
-  nccl_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>`.
+  nccl_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours> transfer_vs_raw=<raw / send_s>`,
+  send_s being the trainer's packing and sending of every bucket in the last update (client.last_update).
 Each is the median of its rounds, after one warm-up.
 """
 import argparse
@@ -268,11 +269,13 @@ def two_gpu_main(a):
         ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
         last = client.last_update  # where the worker spent the last update
         print(f"ours (nccl, packed):                 {ours:7.4f} s  ({nbytes / 2**30 / ours:6.1f} GiB/s)  "
-              f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s", flush=True)
+              f"the trainer's sends {last['send_s']:.4f} s; in the worker: receive {last['receive_s']:.4f} s, "
+              f"load {last['load_s']:.4f} s", flush=True)
         client.close_communicator()
     finally:
         stop_server(proc)
-    print(f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f}")
+    print(f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f} "
+          f"transfer_vs_raw={raw / last['send_s']:.3f}")
 
 
 def main():
