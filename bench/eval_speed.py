@@ -41,7 +41,6 @@ from engine import Engine, RolloutEngine, engine_args, tiny_model  # noqa: E402
 
 CALL_START, RESULT = "<tool>", "<result>{}</result>"
 
-
 def latency_tool(mean_s, seed=0):
     """The `lookup` tool: answers after an exponentially distributed latency (asyncio.sleep: it waits
     like I/O, holding no thread)."""
@@ -51,7 +50,6 @@ def latency_tool(mean_s, seed=0):
         await asyncio.sleep(rng.expovariate(1 / mean_s) if mean_s > 0 else 0)
         return f"{len(argument)} results"
     return lookup
-
 
 def lock_step(llm, tools, prompts, a):
     """Episodes as RolloutEngine makes them, one synchronous batch per turn: [prompt][n] (text, turns, tokens)."""
@@ -86,13 +84,11 @@ def lock_step(llm, tools, prompts, a):
             break
     return [[(e["last"], e["turns"], e["sampled"]) for e in episodes[i:i + a.n]] for i in range(0, len(episodes), a.n)]
 
-
 def summary(rows, results):
     flat = [x for per in results for x in per]
     passed = sum(train.reward(text, row["answer"]) == 1 for row, per in zip(rows, results) for text, _, _ in per)
     return (f"pass@1 {passed / len(flat):.3f}, {statistics.mean(t for _, t, _ in flat):.2f} turns and "
             f"{statistics.mean(s for _, _, s in flat):.1f} sampled tokens per episode")
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -144,7 +140,6 @@ def main():
     async def shutdown():  # on the engine's own loop, so that its output handler stops before the engine core
         engine.llm.shutdown()
     run(shutdown())
-
 
 if __name__ == "__main__":
     main()

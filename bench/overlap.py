@@ -55,17 +55,14 @@ import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import TINY_MODEL_DIR, tiny_model  # noqa: E402
 
-
 def medians(history, warmup):
     """Per-step medians of G, T, S, idle, step, skipping the warm-up steps."""
     rows = history[warmup:]
     keys = {"G": "gen_s", "T": "train_s", "S": "sync_s", "idle": "idle_s", "step": "step_s", "tokens": "tokens"}
     return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
 
-
 # the defaults that depend on --device: (CPU, GPU)
 DEFAULTS = {"hidden_size": (256, 2048), "num_layers": (4, 28), "prompts_per_step": (48, 64), "max_tokens": (32, 128)}
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -159,14 +156,12 @@ def main():
     print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
     draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
 
-
 def parameters(model):
     """Parameters of the checkpoint in folder `model` (the tied output layer counted once)."""
     from safetensors import safe_open
 
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-
 
 def draw_timelines(histories, results, N, path):
     """Three steps of sync-batch, overlap and overlap K=1 on one time axis, drawn by train.py's
@@ -188,7 +183,6 @@ def draw_timelines(histories, results, N, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"timelines: {path}")
-
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,6 @@ from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import Engine, engine_args, tiny_model  # noqa: E402
 
-
 class SyncEngine:
     """Drive an Engine from plain Python: it lives on its own loop in a background thread."""
 
@@ -49,13 +48,11 @@ class SyncEngine:
         self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-
 def rate(generate):
     """Completion tokens per second of one call of `generate()`."""
     start = time.perf_counter()
     results = generate()
     return sum(len(c.token_ids) for completions in results for c in completions) / (time.perf_counter() - start)
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -89,7 +86,6 @@ def main():
     print(f"server + client:    {server:8.0f} tok/s")
     print(f"in-process engine:  {local:8.0f} tok/s")
     print(f"server_vs_engine={server / local:.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,6 @@ import torch  # noqa: E402
 from client import Client, launch_server, stop_server  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=16, help="concurrent client threads")
@@ -106,7 +105,6 @@ def main():
     print(f"server RSS: {rss_100 / 2**20:.0f} MiB after 100 requests, {rss_5000 / 2**20:.0f} MiB after {a.total}; "
           f"results still held: {health['pending_results']}")
     print(f"lost={lost} wrong_version={wrong_version} rss_ratio={rss_5000 / rss_100:.3f}")
-
 
 if __name__ == "__main__":
     main()

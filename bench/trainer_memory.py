@@ -31,12 +31,10 @@ import torch  # noqa: E402
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
 
-
 def straightforward(model, batch, advantages):
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1].float()
     logprobs = torch.gather(torch.log_softmax(logits, -1), 2, batch["input_ids"][:, 1:, None]).squeeze(-1)
     (-(advantages[:, None] * logprobs * batch["mask"].to(logprobs.device)).sum()).backward()
-
 
 def measure(side, a):
     """Run one side in this process; return its peak memory and the memory held before it, in bytes."""
@@ -73,7 +71,6 @@ def measure(side, a):
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device), before
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, before  # Linux: KiB
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -112,7 +109,6 @@ def main():
         print(f"{side:16s} peak {shown}", flush=True)
     old, new = peaks["straightforward"], peaks["train.py"]
     print(f"memory_ratio={new / old:.3f}" if old else f"memory_ratio<={new / capacity:.3f}")
-
 
 if __name__ == "__main__":
     main()

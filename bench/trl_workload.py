@@ -33,7 +33,6 @@ from engine import Engine, engine_args, tiny_model  # noqa: E402
 SCHEDULES = {"sync-batch": (0, ()), "overlap": (0, ()), "overlap K=1": (1, ()),
              "overlap-priority": (0, ("--max-num-seqs", "8"))}
 
-
 async def generation_floor(model, steps=20):
     """Median seconds the engine alone takes to generate one step's samples."""
     engine, prompts = Engine(engine_args(model)), [r["prompt"] for r in train.addition_data(4, 0)]
@@ -44,7 +43,6 @@ async def generation_floor(model, steps=20):
         seconds.append(time.perf_counter() - start)
     engine.llm.shutdown()
     return statistics.median(seconds[3:])
-
 
 def main():
     model, out = tiny_model(), tempfile.mkdtemp(prefix="bench-trl-")
@@ -63,7 +61,6 @@ def main():
         medians[name] = statistics.median(h["step_s"] for h in history[2:])
         print(f"{name:<17} {medians[name]:.3f} s/step  (server flags: {' '.join(flags) or 'defaults'})", flush=True)
     print(f"best_step_s={min(medians.values()):.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -66,7 +66,6 @@ from engine import tiny_model  # noqa: E402
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
                   vocab_size=151936)
 
-
 def init_group(host, port, rank, world_size, device="cpu"):
     """gloo on the CPU; on a GPU, NCCL with this rank's communicator on `device` (its own GPU)."""
     device = torch.device(device)
@@ -74,7 +73,6 @@ def init_group(host, port, rank, world_size, device="cpu"):
         torch.cuda.set_device(device)  # this process's CUDA work, NCCL's streams included, on its GPU
         return weight_group("nccl", host, port, rank, world_size, weight_sync_timeout=120, device=device)
     return weight_group("gloo", host, port, rank, world_size, weight_sync_timeout=120)
-
 
 def broadcast(group, tensor, root=0):
     """A blocking broadcast from `root` (the handshakes go from the receiver, rank 1). gloo's wait()
@@ -86,12 +84,10 @@ def broadcast(group, tensor, root=0):
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
-
 def leave(group):
     """An NCCL group is aborted, as client.py does (a shutdown waits until every rank leaves); gloo: nothing."""
     if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
         group.abort()
-
 
 def median_seconds(fn, rounds):
     """Median wall time of `rounds` calls of `fn()`, after one warm-up call."""
@@ -103,10 +99,8 @@ def median_seconds(fn, rounds):
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
-
 # -----------------------------------------------------------------------------
 # 1. raw: one uint8 buffer between two plain processes
-
 
 def raw_receiver(port, nbytes, rounds, device="cpu"):
     group = init_group("127.0.0.1", port, 1, 2, device)
@@ -115,7 +109,6 @@ def raw_receiver(port, nbytes, rounds, device="cpu"):
         broadcast(group, torch.ones(1, device=device), root=1)  # handshake: the receiver is ready
         broadcast(group, buffer)
     leave(group)
-
 
 def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
     """Median seconds of one broadcast of `nbytes` from this process (on `device`) to a spawned one
@@ -139,10 +132,8 @@ def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
     leave(group)
     return seconds
 
-
 # -----------------------------------------------------------------------------
 # 3. per-param: the baseline, one HTTP call + one broadcast per tensor, into an HF model (no engine)
-
 
 def per_param_receiver(path, group_port, http_port, device="cpu", dtype="float32"):
     """Rank 1 until terminated: POST /update_param {name, dtype, shape} receives that one tensor
@@ -200,7 +191,6 @@ def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", 
             receiver.kill()
             receiver.join()
 
-
 def cuda_main(a):
     from transformers import AutoModelForCausalLM
 
@@ -235,7 +225,6 @@ def cuda_main(a):
         stop_server(proc)
     ipc = seconds["ipc"]
     print(f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} ipc_vs_gloo={seconds['gloo'] / ipc:.1f}")
-
 
 def two_gpu_main(a):
     """--device cuda:1: the server on GPU 0, the trainer (this process) on GPU 1, weights over NCCL."""
@@ -276,7 +265,6 @@ def two_gpu_main(a):
         stop_server(proc)
     print(f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f} "
           f"transfer_vs_raw={raw / last['send_s']:.3f}")
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -320,7 +308,6 @@ def main():
     finally:
         stop_server(proc)
     print(f"sync_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f}")
-
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU_FLAGS = ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager") \
     if torch.cuda.is_available() else ()
 
-
 def position_gradients(model, backward):
     """(T-1,) the gradient reaching each position's final hidden state of a one-sequence batch
     after `backward()`: position t feeds only the logits that predict token t+1."""
@@ -39,11 +38,9 @@ def position_gradients(model, backward):
     hook.remove()
     return captured["hidden"].grad[0, :-1].abs().sum(-1)
 
-
 @pytest.fixture(scope="session")
 def model_path():
     return tiny_model()
-
 
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
@@ -52,11 +49,9 @@ def server(model_path, tmp_path_factory):
     yield client
     stop_server(proc)
 
-
 @pytest.fixture
 def client(server):
     return server
-
 
 @pytest.fixture
 def restore_weights(server, model_path):

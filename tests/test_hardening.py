@@ -28,10 +28,8 @@ FIELDS = ["prompts", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens"
           "max_turns", "max_episode_tokens", "call_start", "call_end", "transport", "host", "world_size", "gpu", "buckets",
           "repetition_penalty", "skip_special_tokens", "bogus"]
 
-
 def post(client, path, **kwargs):
     return requests.post(client.base_url + path, timeout=120, headers=client.headers, **kwargs)
-
 
 def fuzz_bodies(rng, n):
     """Malformed bodies: bytes that are not JSON or not UTF-8, JSON that is not an object, and
@@ -44,7 +42,6 @@ def fuzz_bodies(rng, n):
             body[name] = rng.choice(JUNK)
         bodies.append(("data", json.dumps(body).encode()))  # json.dumps writes NaN and Infinity, as Python reads them
     return bodies
-
 
 def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_still_generates(client):
     rng = random.Random(0)
@@ -59,10 +56,8 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_still_generates(client):
     [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)  # a real generation completes
     assert len(c.token_ids) == 8
 
-
 OPENAI_FIELDS = ["model", "prompt", "messages", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
                  "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "bogus"]
-
 
 def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
     rng, statuses = random.Random(1), {}
@@ -84,7 +79,6 @@ def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
     [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)
     assert len(c.token_ids) == 8
 
-
 @pytest.mark.parametrize("body,word", [
     ({"prompts": ["a"], "stop": [5], "include_stop_str_in_output": True}, "stop"),  # once killed vLLM's input thread
     ({"prompts": ["a"], "stop_token_ids": ["x"]}, "stop_token_ids"),
@@ -101,7 +95,6 @@ def test_fields_that_could_break_the_engine_are_a_400(client, body, word):
     assert post(client, "/generate", data=b"\xff\xfe\x00").status_code == 400
     assert client.generate(["ok"], max_tokens=2)[0][0].finish_reason == "length"
 
-
 def test_each_of_two_identical_requests_is_fetched_once(client):
     body = {"prompts": ["twins"], "n": 2, "max_tokens": 300, "ignore_eos": True}
     ids = {post(client, "/generate", json=body).json()["request_id"] for _ in range(2)}
@@ -110,7 +103,6 @@ def test_each_of_two_identical_requests_is_fetched_once(client):
     assert [r.status_code for r in replies] == [200, 200]
     assert {r.json()["request_id"] for r in replies} == ids
     assert post(client, "/get_future", json=body).status_code == 404
-
 
 def test_abort_stops_a_request_and_frees_it(client):
     future = client.generate(["stop me"], n=4, max_tokens=2000, ignore_eos=True, is_async=True)
@@ -124,7 +116,6 @@ def test_abort_stops_a_request_and_frees_it(client):
         time.sleep(0.1)
     assert future.request_id not in client.pending
 
-
 def test_a_failing_caller_aborts_what_it_submitted(client):
     with pytest.raises(ZeroDivisionError), client:
         futures = [client.generate([f"orphan {i}"], max_tokens=2000, ignore_eos=True, is_async=True) for i in range(3)]
@@ -132,17 +123,14 @@ def test_a_failing_caller_aborts_what_it_submitted(client):
     for f in futures:
         assert post(client, "/get_future", json={"request_id": f.request_id, "timeout": 0}).status_code == 404
 
-
 def test_a_non_loopback_host_without_a_key_refuses_to_start():
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
     run = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--host", "0.0.0.0"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert run.returncode == 2 and "--api-key" in run.stderr
 
-
 # -----------------------------------------------------------------------------
 # a second server, with a key, a short result TTL, few pending results and a short drain timeout
-
 
 @pytest.fixture(scope="module")
 def strict(model_path, tmp_path_factory):
@@ -152,7 +140,6 @@ def strict(model_path, tmp_path_factory):
     yield proc, client, log
     if proc.poll() is None:
         stop_server(proc)
-
 
 def test_every_route_but_health_and_metrics_needs_the_key(strict):
     _, client, _ = strict
@@ -165,7 +152,6 @@ def test_every_route_but_health_and_metrics_needs_the_key(strict):
     assert requests.get(client.base_url + "/metrics", timeout=30).status_code == 200
     assert client.generate(["with the key"], max_tokens=2)[0][0].finish_reason == "length"
 
-
 def test_unfetched_results_expire_and_are_counted(strict):
     _, client, _ = strict
     future = client.generate(["forgotten"], max_tokens=2, is_async=True)
@@ -176,7 +162,6 @@ def test_unfetched_results_expire_and_are_counted(strict):
     metrics = requests.get(client.base_url + "/metrics", timeout=30).text
     assert [line for line in metrics.splitlines() if line.startswith("asyncgrpo_expired_results_total")][0].split()[-1] != "0.0"
 
-
 def test_beyond_max_pending_is_a_429(strict):
     _, client, _ = strict
     futures = [client.generate([f"busy {i}"], max_tokens=1500, ignore_eos=True, is_async=True) for i in range(4)]
@@ -186,7 +171,6 @@ def test_beyond_max_pending_is_a_429(strict):
     for f in futures:
         f.abort()
     assert client.generate(["room again"], max_tokens=2)[0][0].finish_reason == "length"
-
 
 def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     _, client, _ = strict
@@ -202,7 +186,6 @@ def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     assert call("s0").status_code == 200  # an open session goes on
     time.sleep(2.5)  # --result-ttl 2: sessions unused for 2 s expire
     assert call("s4").status_code == 200
-
 
 def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, model_path):
     _, client, _ = strict
@@ -220,7 +203,6 @@ def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, 
     assert client.update_model_params(model) == v0 + 1  # the group survived: nothing had been sent
     client.close_communicator()
 
-
 def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
     proc, client, log = strict
     for child in psutil.Process(proc.pid).children(recursive=True):  # vLLM's engine core (and its workers)
@@ -229,10 +211,8 @@ def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
     assert proc.returncode not in (0, None)
     assert "engine failed" in open(log).read()
 
-
 # -----------------------------------------------------------------------------
 # a trainer whose server restarts
-
 
 def test_training_survives_a_server_restart(model_path, tmp_path):
     port, group_port = free_port(), free_port()
@@ -259,7 +239,6 @@ def test_training_survives_a_server_restart(model_path, tmp_path):
         assert any(b < a for a, b in zip(versions, versions[1:])), versions  # a new server, and training went on
     finally:
         stop_server(proc)
-
 
 def test_a_failed_request_among_several_loses_none_of_the_others(client):
     good = client.generate(["fine"], max_tokens=2, is_async=True)

@@ -11,17 +11,14 @@ import train
 from client import ServerError
 from conftest import position_gradients
 
-
 @pytest.fixture(scope="module")
 def oa(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
 
 @pytest.fixture(scope="module")
 def model_name(oa):
     [model] = oa.models.list().data
     return model.id
-
 
 def test_chat_completion_carries_tokens_logprobs_and_version(oa, model_name, server, model_path):
     messages = [{"role": "user", "content": "2+2?"}]
@@ -37,7 +34,6 @@ def test_chat_completion_carries_tokens_logprobs_and_version(oa, model_name, ser
         assert len(c.logprobs.content) == len(c.token_ids) and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
         assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.logprob - 1e-5 for t in c.logprobs.content)
 
-
 def test_completions_and_streaming_give_the_same_text(oa, model_name):
     r = oa.completions.create(model=model_name, prompt="1+1=", n=2, max_tokens=5, seed=7, logprobs=1)
     assert [len(c.token_ids) for c in r.choices] == [len(c.logprobs.tokens) for c in r.choices]
@@ -47,7 +43,6 @@ def test_completions_and_streaming_give_the_same_text(oa, model_name):
     chunks = list(oa.chat.completions.create(stream=True, **kwargs))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == whole
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-
 
 def test_mistakes_are_4xx_in_openai_shape_and_the_server_keeps_serving(oa, model_name):
     with pytest.raises(openai.NotFoundError):
@@ -62,7 +57,6 @@ def test_mistakes_are_4xx_in_openai_shape_and_the_server_keeps_serving(oa, model
         oa.completions.create(model=model_name, prompt="x" * 3000, max_tokens=2)  # longer than --max-model-len
     assert "refused" in e.value.body["message"]
     assert oa.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
-
 
 def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_tokens_only(oa, model_name, server, model_path):
     """A small agent written with the openai client: call the model, run a Python tool on its text,
@@ -90,7 +84,6 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
     with pytest.raises(ServerError) as e:
         server.session("agent-1")
     assert e.value.status == 404
-
 
 def test_a_session_that_does_not_continue_itself_has_no_episode(oa, model_name, server):
     agent = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", default_headers={"X-Session-ID": "agent-2"})

@@ -9,10 +9,8 @@ import requests
 
 from client import Client, ServerError
 
-
 def post(client, path, **kwargs):
     return requests.post(client.base_url + path, timeout=60, **kwargs)
-
 
 def test_generate_returns_while_request_still_in_flight(client):
     future = client.generate(["long"], n=8, max_tokens=1500, ignore_eos=True, is_async=True)
@@ -22,7 +20,6 @@ def test_generate_returns_while_request_still_in_flight(client):
     assert client.health()["in_flight"] >= 1
     [completions] = future.result()
     assert [len(c.token_ids) for c in completions] == [1500] * 8
-
 
 def test_get_future_by_id_and_by_identical_arguments_agree(client):
     # greedy: the same arguments give the same tokens even where (on a GPU) the two requests
@@ -38,7 +35,6 @@ def test_get_future_by_id_and_by_identical_arguments_agree(client):
         assert [c["logprobs"] for c in a] == [pytest.approx(c["logprobs"], abs=1e-4) for c in b]
     assert post(client, "/get_future", json=body).status_code == 404  # both fetched and freed
 
-
 def test_n_completions_each_with_token_ids_and_logprobs(client):
     results = client.generate(["hello", [5, 6, 7]], n=8, max_tokens=20, temperature=1.0)
     assert len(results) == 2
@@ -51,7 +47,6 @@ def test_n_completions_each_with_token_ids_and_logprobs(client):
             assert c.finish_reason in ("stop", "length")
             assert c.version == client.health()["version"]
     assert len({tuple(c.token_ids) for c in results[0]}) > 1  # n samples, not one repeated
-
 
 def test_server_matches_synchronous_vllm(client, model_path):
     from vllm import LLM, SamplingParams
@@ -69,7 +64,6 @@ def test_server_matches_synchronous_vllm(client, model_path):
     finally:
         llm.llm_engine.engine_core.shutdown()
 
-
 def test_200_concurrent_requests_all_complete_and_are_freed(client):
     before = client.health()["pending_results"]  # an earlier test may leave a result nobody fetches (it expires)
     with ThreadPoolExecutor(16) as pool:
@@ -79,7 +73,6 @@ def test_200_concurrent_requests_all_complete_and_are_freed(client):
     assert all(len(r) == 1 and len(r[0]) == 2 for r in results)
     health = client.health()
     assert health["pending_results"] == before and health["in_flight"] == 0
-
 
 BAD_INPUTS = [
     ({"json": {"n": 1}}, 400, "prompts"),
@@ -97,13 +90,11 @@ BAD_INPUTS = [
     ({"data": b"x" * (17 << 20)}, 413, ""),
 ]
 
-
 @pytest.mark.parametrize("kwargs,status,word", BAD_INPUTS)
 def test_bad_generate_input_gets_4xx_with_message(client, kwargs, status, word):
     r = post(client, "/generate", **kwargs)
     assert r.status_code == status
     assert word in r.json()["error"]
-
 
 def test_unknown_request_id_is_404_and_server_keeps_serving(client):
     r = post(client, "/get_future", json={"request_id": "no-such-id"})
@@ -113,12 +104,10 @@ def test_unknown_request_id_is_404_and_server_keeps_serving(client):
     assert client.health()["status"] == "ok"
     assert len(client.generate(["still serving"], max_tokens=4)[0]) == 1
 
-
 def test_prompt_longer_than_the_model_is_a_4xx_at_get_future(client):
     with pytest.raises(ServerError) as e:
         client.generate([[5] * 3000], max_tokens=4)
     assert e.value.status == 422
-
 
 def test_client_reports_an_unreachable_server():
     with pytest.raises(ConnectionError, match="unreachable"):

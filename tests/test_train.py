@@ -15,14 +15,12 @@ from transformers import AutoModelForCausalLM
 import train
 from client import ServerError
 
-
 def random_batch(n, seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 6, (n, 2), generator=g).tolist()
     prompts = [torch.randint(2, 90, (p,), generator=g).tolist() for p, _ in lengths]
     completions = [torch.randint(2, 90, (c,), generator=g).tolist() for _, c in lengths]
     return prompts, completions, torch.randn(n, generator=g)
-
 
 def step_gradient(model, prompts, completions, advantages, micro_batches):
     """The trainer's recipe: summed losses per micro-batch, then one division by all tokens."""
@@ -36,7 +34,6 @@ def step_gradient(model, prompts, completions, advantages, micro_batches):
         tokens += batch["mask"].sum()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
-
 def test_micro_batches_give_the_gradient_of_one_batch(model_path):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     prompts, completions, advantages = random_batch(16, seed=0)
@@ -44,7 +41,6 @@ def test_micro_batches_give_the_gradient_of_one_batch(model_path):
     four = step_gradient(model, prompts, completions, advantages, micro_batches=4)
     assert one.abs().max() > 0
     assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)
-
 
 def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path):
     """The overlap forms micro-batches in completion order: any permutation and split of the step's
@@ -57,12 +53,10 @@ def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path):
                              micro_batches=8)
     assert torch.allclose(one, shuffled, atol=1e-6, rtol=1e-4)
 
-
 def full_log_softmax(model, batch, temperature):
     """The straightforward way: the whole batch's fp32 logits and one log_softmax over them."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1].float() / temperature
     return torch.gather(torch.log_softmax(logits, -1), 2, batch["input_ids"][:, 1:, None]).squeeze(-1)
-
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_and_their_gradient_are_one_log_softmax(model_path, temperature):
@@ -80,11 +74,9 @@ def test_chunked_logprobs_and_their_gradient_are_one_log_softmax(model_path, tem
     assert torch.allclose(ours, ref, atol=1e-5)
     assert ref_grad.abs().max() > 0 and (our_grad - ref_grad).abs().max() < 1e-5 * ref_grad.abs().max(), (our_grad - ref_grad).abs().max()
 
-
 def seqs_of(prompts, completions):
     return [{"ids": p + c, "mask": [0] * len(p) + [1] * len(c), "logprobs": [None] * len(p) + [-1.0] * len(c)}
             for p, c in zip(prompts, completions)]
-
 
 def trainer_gradient(model, seqs, advantages, **memory):
     """train.backward's summed gradient under the memory settings `memory`, per completion token."""
@@ -97,7 +89,6 @@ def trainer_gradient(model, seqs, advantages, **memory):
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
-
 def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(model_path):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     prompts, completions, advantages = random_batch(12, seed=5)
@@ -109,12 +100,10 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     bf16 = trainer_gradient(model, seqs, advantages, bf16=True, train_micro_batch=4)  # close, not equal
     assert not torch.equal(bf16, whole) and torch.cosine_similarity(bf16, whole, dim=0) > 0.99
 
-
 def test_loss_mask_excludes_prompt_and_padding():
     batch = train.make_batch([[5, 6, 7], [5]], [[8, 9], [8, 9, 10]], pad_id=1)  # second row padded
     # targets are input_ids[:, 1:]; the mask is 1 exactly where the target is a completion token
     assert batch["mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
-
 
 def test_equal_rewards_give_zero_advantage_and_no_nan():
     rewards = torch.tensor([[1.0] * 8, [0.0] * 8, [0.0, 1.0] * 4])
@@ -123,12 +112,10 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
     assert adv[:2].abs().max() == 0
     assert adv[2].sum().abs() < 1e-5 and adv[2].abs().min() > 0.5
 
-
 def test_reward_reads_the_last_number():
     assert train.reward("7", "7") == 1.0 and train.reward("so 3+4 = 7", "7") == 1.0
     assert train.reward("8", "7") == 0.0 and train.reward("", "7") == 0.0 and train.reward("7.5", "7") == 0.0
     assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
-
 
 @pytest.mark.parametrize("schedule", ["overlap", "overlap-priority", "sync-batch"])
 def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, schedule):
@@ -142,7 +129,6 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows)
 
-
 def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
     out = tmp_path / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +140,6 @@ def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
     assert (out / "checkpoint" / "model.safetensors").exists()
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
-
 
 def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, model_path):
     """The server reports the logprobs of the distribution it sampled from (temperature applied);
@@ -180,14 +165,12 @@ def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, mo
         untempered = train.token_logprobs(model, batch)[0][batch["mask"][0] == 1]
     assert not torch.allclose(untempered, torch.tensor(completions[0].logprobs), atol=1e-2)
 
-
 def test_with_no_stale_samples_the_loss_is_the_plain_policy_gradient():
     g = torch.Generator().manual_seed(3)
     logprobs, old = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
     advantages, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
     loss, w = train.pg_loss(logprobs, old, advantages, mask, stale=torch.zeros(4, dtype=torch.bool))
     assert loss == -(advantages[:, None] * logprobs * mask).sum() and (w == 1).all()  # exactly, bit for bit
-
 
 def test_stale_samples_get_truncated_importance_weights():
     logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
@@ -196,7 +179,6 @@ def test_stale_samples_get_truncated_importance_weights():
     assert torch.allclose(w, torch.tensor([[1.5, torch.exp(torch.tensor(-1.5)).item()], [1.0, 1.0]]))  # exp(0.5) capped at 1.5
     loss.backward()
     assert torch.allclose(logprobs.grad, -w)  # the weights are constants: no gradient flows through them
-
 
 def test_a_request_with_min_version_waits_for_those_weights(server, model_path, restore_weights):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -211,14 +193,12 @@ def test_a_request_with_min_version_waits_for_those_weights(server, model_path, 
     assert c.version == v0 + 1 and held.timing["started"] >= held.timing["queued"]
     server.close_communicator()
 
-
 def test_one_step_of_staleness_is_corrected_and_logged(server, model_path, tmp_path, restore_weights):
     cfg = train.Config(model=model_path, steps=4, prompts_per_step=8, micro_batches=2, group_size=4, out=str(tmp_path),
                        max_staleness=1)
     history = train.train(cfg, server)  # raises if any sample is more than one version old
     assert [h["staleness"] for h in history] == [0, 1, 1, 1]  # step 0 samples the initial push's weights
     assert all(h["is_weight_mean"] > 0 and h["is_weight_max"] <= cfg.is_cap for h in history)
-
 
 def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
     from itertools import combinations
@@ -228,7 +208,6 @@ def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
             for k in range(1, n + 1):
                 subsets = list(combinations([1] * c + [0] * (n - c), k))  # every way to pick k of the n samples
                 assert train.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets)), (n, c, k)
-
 
 def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server):
     prompts = ["1+1=", "hello", "What is 2*3?", "x", "42"]
@@ -246,7 +225,6 @@ def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server):
     assert expected > 0 and result["pass@1"] == pytest.approx(expected) and result["pass@16"] == pytest.approx(expected)
     shifted = [{**row, "answer": rows[(i + 1) % len(rows)]["answer"]} for i, row in enumerate(rows)]  # someone else's answer
     assert train.evaluate(server, shifted, cfg)["pass@16"] < expected
-
 
 @pytest.mark.parametrize("task", ["calculator", "dataset"])
 def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task):

@@ -19,11 +19,9 @@ from conftest import needs_cuda
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
-
 @pytest.fixture(scope="module")
 def hf(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), AutoTokenizer.from_pretrained(model_path)
-
 
 @pytest.fixture(params=["gloo", "ipc"] if torch.cuda.is_available() else ["gloo"])
 def trainer(server, request):
@@ -31,7 +29,6 @@ def trainer(server, request):
     server.init_communicator(transport=request.param)
     yield server
     server.close_communicator()
-
 
 def perturbed(model, seed, scale=0.05):
     copy = AutoModelForCausalLM.from_config(model.config)
@@ -42,7 +39,6 @@ def perturbed(model, seed, scale=0.05):
             p.add_(torch.randn_like(p) * scale)
     return copy
 
-
 def hf_greedy(model, tokenizer, prompts, max_tokens=24):
     out = []
     for p in prompts:
@@ -52,11 +48,9 @@ def hf_greedy(model, tokenizer, prompts, max_tokens=24):
         out.append(gen[0, ids.shape[1]:].tolist())
     return out
 
-
 def server_greedy(client, prompts=PROMPTS, max_tokens=24):
     results = client.generate(prompts, temperature=0.0, max_tokens=max_tokens)
     return [r[0].token_ids for r in results], {r[0].version for r in results}
-
 
 def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf):
     model, tokenizer = hf
@@ -74,13 +68,11 @@ def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf
     assert trainer.update_model_params(model.state_dict(), bucket_mb=1) == v0 + 2  # a state dict, several buckets
     assert server_greedy(trainer) == (original, {v0 + 2})
 
-
 def wait_for_status(client, status, timeout=30):
     deadline = time.monotonic() + timeout
     while client.health()["status"] != status:
         assert time.monotonic() < deadline, f"server never reached status {status}"
         time.sleep(0.01)
-
 
 def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(trainer, hf):
     v0 = trainer.health()["version"]
@@ -95,10 +87,8 @@ def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(
     assert {c.version for c in early.result()[0]} == {v0}
     assert {c.version for c in late.result()[0]} == {v0 + 1}
 
-
 def post(client, path, body):
     return requests.post(client.base_url + path, json=body, timeout=60)
-
 
 @pytest.mark.parametrize("param,word", [
     ({"name": "no.such.weight", "dtype": "float32", "shape": [4], "offset": 0}, "unknown parameter"),
@@ -113,7 +103,6 @@ def test_bad_update_is_rejected_and_changes_nothing(trainer, param, word):
     assert r.status_code == 400 and word in r.json()["error"]
     assert (server_greedy(trainer), trainer.health()["version"]) == before
 
-
 @pytest.mark.parametrize("params,word", [
     ({"bogus.weight": torch.zeros(2)}, "unknown parameter"),
     ({"model.norm.weight": torch.zeros(3)}, "shape"),
@@ -125,7 +114,6 @@ def test_client_update_with_wrong_names_or_shapes_is_refused_before_sending(trai
         trainer.update_model_params(params)
     assert refused.value.status == 400
     assert trainer.health()["version"] == v0 and trainer.health()["transport"] == trainer.transport
-
 
 DYING_TRAINER = """
 import os, sys, torch
@@ -139,7 +127,6 @@ broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=
 print("sent one bucket", flush=True)
 os._exit(1)
 """
-
 
 @pytest.mark.parametrize("transport,device", [("gloo", "cpu"), pytest.param("nccl", "cuda:1", marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU"))])
@@ -165,7 +152,6 @@ def test_trainer_dying_mid_update_leaves_server_serving_old_weights(server, hf, 
     finally:
         server.close_communicator()
 
-
 def test_close_then_init_again(server, hf):
     v0 = server.health()["version"]
     for i in range(2):
@@ -182,7 +168,6 @@ def test_close_then_init_again(server, hf):
     full = [{"size": offset, "params": params}]
     r = post(server, "/update_weights", {"buckets": full})
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
-
 
 NO_VLLM_TRAINER = """
 import sys
@@ -202,7 +187,6 @@ print("version", c.update_model_params(AutoModelForCausalLM.from_pretrained({pat
 c.close_communicator()
 """
 
-
 def test_a_trainer_without_vllm_pushes_weights(server, hf, tmp_path, restore_weights):
     model, tokenizer = hf
     new = perturbed(model, seed=3)
@@ -214,7 +198,6 @@ def test_a_trainer_without_vllm_pushes_weights(server, hf, tmp_path, restore_wei
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"version {v0 + 1}" in run.stdout
     assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
-
 
 @pytest.mark.parametrize("body,word", [
     ({"transport": "pigeon"}, "transport"),
@@ -229,7 +212,6 @@ def test_a_transport_the_server_cannot_follow_is_refused(server, body, word):
     assert server.health()["transport"] is None
     assert server.generate(["still serving"], max_tokens=4)[0][0].finish_reason is not None
 
-
 @needs_cuda
 def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
     server.init_communicator()
@@ -241,7 +223,6 @@ def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
         assert server.last_update["receive_s"] < 1.0
     finally:
         server.close_communicator()
-
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU")
 def test_nccl_update_from_a_trainer_on_another_gpu(server, hf):
