@@ -39,18 +39,21 @@ def flag(default, help, choices=None):
 
 @dataclass
 class Config:
-    # model and data
+    # model, data, and where things run
     model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
+    warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
     dataset: str = flag("", "jsonl of {prompt, answer}: reward 1 if the completion's last number is the answer")
     task: str = flag("addition", "addition: one completion per sample; calculator: multi-turn episodes that may call the "
                                  "'calc' tool (trained with their loss mask)", ["addition", "calculator"])
     max_turns: int = flag(3, "calculator task: model turns per episode")
     dtype: str = flag("float32", "dtype of the served weights (the trainer keeps float32)")
     server_url: str = flag("", "a running server.py (default: start one on the model)")
+    reconnect_timeout: float = flag(300.0, "seconds to wait for a server that restarted or went away before giving up")
     device: str = flag("cpu", "trainer device: cpu (weights over gloo), cuda (CUDA IPC on the server's GPU, else NCCL)")
     trainer_host: str = flag("127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo)")
     gpu_memory_utilization: float = flag(0.3, "the GPU share of the server train.py starts; the trainer uses the rest")
     out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
+    seed: int = flag(0, "seed for data, sampling and init")
     # GRPO
     steps: int = flag(120, "optimizer steps")
     prompts_per_step: int = flag(32, "prompts per optimizer step")
@@ -78,9 +81,6 @@ class Config:
     eval_every: int = flag(0, "evaluate every K steps while training, and at the end (0: never)")
     eval_prompts: int = flag(8, "held-out prompts, taken from the data and never trained on")
     eval_n: int = flag(8, "samples per held-out prompt: pass@k for k = 1, 2, 4, ... <= n")
-    reconnect_timeout: float = flag(300.0, "seconds to wait for a server that restarted or went away before giving up")
-    warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
-    seed: int = flag(0, "seed for data, sampling and init")
 
     def __post_init__(self):
         for wrong, why in [
