@@ -515,7 +515,8 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
            "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s, "step_s": step_s,
            "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
            "staleness": sum(s["staleness"]) / len(s["staleness"]),
-           "is_weight_mean": w.mean().item(), "is_weight_max": w.max().item(), "is_clipped": (w >= cfg.is_cap).float().mean().item(),
+           "is_weight_mean": w.mean().item(), "is_weight_max": w.max().item(),
+           "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(s["is_weights"]) else 0.0,  # none stale: none clipped
            "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]] for k in ("gen", "train", "sync")}}
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
