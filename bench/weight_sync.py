@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from client import free_port, launch_server, stop_server, weight_group  # noqa: E402
+from client import close_group, free_port, launch_server, stop_server, weight_group  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
@@ -84,11 +84,6 @@ def broadcast(group, tensor, root=0):
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
-def leave(group):
-    """An NCCL group is aborted, as client.py does (a shutdown waits until every rank leaves); gloo: nothing."""
-    if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
-        group.abort()
-
 def median_seconds(fn, rounds):
     """Median wall time of `rounds` calls of `fn()`, after one warm-up call."""
     fn()
@@ -108,7 +103,7 @@ def raw_receiver(port, nbytes, rounds, device="cpu"):
     for _ in range(rounds):
         broadcast(group, torch.ones(1, device=device), root=1)  # handshake: the receiver is ready
         broadcast(group, buffer)
-    leave(group)
+    close_group(group)
 
 def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
     """Median seconds of one broadcast of `nbytes` from this process (on `device`) to a spawned one
@@ -129,7 +124,7 @@ def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
     one_round()  # warm-up
     seconds = statistics.median(one_round() for _ in range(rounds))
     receiver.join()
-    leave(group)
+    close_group(group)
     return seconds
 
 # -----------------------------------------------------------------------------
@@ -158,7 +153,7 @@ def per_param_receiver(path, group_port, http_port, device="cpu", dtype="float32
     app = web.Application()
     app.router.add_post("/update_param", update_param)
     web.run_app(app, sock=sock, print=None)  # SIGTERM ends it
-    leave(group)
+    close_group(group)
 
 def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", receiver_dtype="float32"):
     """Median seconds of sending `model` (its tensors on `device`) one tensor at a time into a
@@ -184,7 +179,7 @@ def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", 
         return median_seconds(update, rounds)
     finally:
         if group is not None:
-            leave(group)
+            close_group(group)
         receiver.terminate()
         receiver.join(60)
         if receiver.is_alive():  # it did not leave its group in time
