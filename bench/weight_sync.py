@@ -1,9 +1,13 @@
 """Seconds to push a model's weights into the server, against the numbers that frame it.
 
-    .venv/bin/python bench/weight_sync.py                   # CPU: 512 hidden x 24 layers, float32, gloo
-    .venv/bin/python bench/weight_sync.py --bucket-mb 64    # the same with smaller buckets
-    python3 bench/weight_sync.py --device cuda              # GPU: a Qwen2.5-0.5B-shaped model, bf16, one GPU
-    python3 bench/weight_sync.py --device cuda:1            # the same model on two GPUs: server on 0, trainer on 1, NCCL
+    # CPU: 512 hidden x 24 layers, float32, gloo
+    .venv/bin/python bench/weight_sync.py
+    # the same with smaller buckets
+    .venv/bin/python bench/weight_sync.py --bucket-mb 64
+    # GPU: a Qwen2.5-0.5B-shaped model, bf16, one GPU
+    python3 bench/weight_sync.py --device cuda
+    # the same model on two GPUs: server on 0, trainer on 1, NCCL
+    python3 bench/weight_sync.py --device cuda:1
 
 CPU (--device cpu), side by side in one run, on a Qwen2 built by engine.tiny_model (float32):
   1. raw:       one gloo broadcast of the same number of bytes as one uint8 buffer between two
@@ -11,10 +15,11 @@ CPU (--device cpu), side by side in one run, on a Qwen2 built by engine.tiny_mod
   2. ours:      client.update_model_params(model) into a real server over gloo: packed buckets,
                 one HTTP call, one broadcast per bucket, then the server loads everything at once.
   3. per-param: one HTTP call and one broadcast per tensor, the slow path TRL's vLLM client takes,
-                into a receiver written here (the server rejects partial updates): a spawned
-                process with an aiohttp route that copies each tensor into an HF copy of the model.
-                It EXCLUDES the engine's weight-loading cost, so it is a lower bound on a real
-                per-parameter path's time: our speedup over it is conservative. Run before the server.
+                into a receiver written here (the server rejects partial updates): a spawned process
+                with an aiohttp route that copies each tensor into an HF copy of the model. It
+                EXCLUDES the engine's weight-loading cost, so it is a lower bound on a real
+                per-parameter path's time: our speedup over it is conservative. Run before the
+                server.
   The last line is `sync_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>`.
 GPU (--device cuda): a Qwen2.5-0.5B-shaped Qwen2 (896 hidden, 24 layers, 14 heads, 2 KV heads,
 4864 intermediate, 151,936 vocabulary, tied; random bf16 weights made here), the trainer's copy on
@@ -25,24 +30,29 @@ the same GPU as the server (which takes --gpu-memory-utilization 0.3):
   The last line is `seconds_per_update=<ipc> ipc_vs_raw=<raw / ipc> ipc_vs_gloo=<gloo / ipc>`.
 Two GPUs (--device cuda:1): the same Qwen2.5-0.5B-shaped bf16 model. The server takes GPU 0 (as in
 --device cuda: launch_server's default GPU, --gpu-memory-utilization 0.3, --enforce-eager); this
-process is the trainer, its model copy on cuda:1. Every side sends from cuda:1 and receives on cuda:0,
-each rank's NCCL communicator on its own GPU (client.weight_group). The two baselines run first, so
-both GPUs are free when the server starts:
-  1. raw:       one NCCL broadcast of the same number of bytes as one uint8 buffer, from this process
-                (rank 0, the buffer on cuda:1) to a spawned plain process (rank 1, its buffer on cuda:0);
-                the limit. A handshake broadcast from the receiver precedes each round (not timed);
-                timed on the sender until the broadcast has completed (the device is synchronized).
-  2. per-param: as on the CPU, one HTTP call and one NCCL broadcast per tensor, into a spawned receiver
-                on cuda:0 whose HF copy of the model is bf16 on cuda:0; the trainer's tensors on cuda:1.
-                It EXCLUDES the engine's weight loading: a lower bound on a real per-parameter path.
+process is the trainer, its model copy on cuda:1. Every side sends from cuda:1 and receives on
+cuda:0, each rank's NCCL communicator on its own GPU (client.weight_group). The two baselines run
+first, so both GPUs are free when the server starts:
+  1. raw:       one NCCL broadcast of the same number of bytes as one uint8 buffer, from this
+                process (rank 0, the buffer on cuda:1) to a spawned plain process (rank 1, its
+                buffer on cuda:0); the limit. A handshake broadcast from the receiver precedes each
+                round (not timed); timed on the sender until the broadcast has completed (the device
+                is synchronized).
+  2. per-param: as on the CPU, one HTTP call and one NCCL broadcast per tensor, into a spawned
+                receiver on cuda:0 whose HF copy of the model is bf16 on cuda:0; the trainer's
+                tensors on cuda:1. It EXCLUDES the engine's weight loading: a lower bound on a real
+                per-parameter path.
   3. ours nccl: client.init_communicator(transport="nccl", device="cuda:1"), then
                 client.update_model_params(model): packed buckets, one NCCL broadcast each, into the
-                server's worker on GPU 0, which then loads them (receive_s, load_s: the worker's split).
+                server's worker on GPU 0, which then loads them (receive_s, load_s: the worker's
+                split).
   The first lines name the GPUs and the model; the last is `seconds_per_update=<ours>
   nccl_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours> transfer_vs_raw=<raw / send_s>`,
-  send_s being the trainer's packing and sending of every bucket in the last update (client.last_update).
+  send_s being the trainer's packing and sending of every bucket in the last update
+  (client.last_update).
 Each is the median of its rounds, after one warm-up.
 """
+
 import argparse
 import multiprocessing
 import os
@@ -57,22 +67,32 @@ sys.path.insert(0, ROOT)
 
 import requests  # noqa: E402
 import torch  # noqa: E402
-
 import torch.distributed as dist  # noqa: E402
 
 from client import close_group, free_port, launch_server, stop_server, weight_group  # noqa: E402
 from engine import tiny_model  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-                  vocab_size=151936)
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+)
+
 
 def init_group(host, port, rank, world_size, device="cpu"):
     """gloo on the CPU; on a GPU, NCCL with this rank's communicator on `device` (its own GPU)."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's CUDA work, NCCL's streams included, on its GPU
-        return weight_group("nccl", host, port, rank, world_size, weight_sync_timeout=120, device=device)
+        # this process's CUDA work, NCCL's streams included, on its GPU
+        torch.cuda.set_device(device)
+        return weight_group(
+            "nccl", host, port, rank, world_size, weight_sync_timeout=120, device=device
+        )
     return weight_group("gloo", host, port, rank, world_size, weight_sync_timeout=120)
+
 
 def broadcast(group, tensor, root=0):
     """A blocking broadcast from `root` (the handshakes go from the receiver, rank 1). gloo's wait()
@@ -84,6 +104,7 @@ def broadcast(group, tensor, root=0):
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
+
 def median_seconds(fn, rounds):
     """Median wall time of `rounds` calls of `fn()`, after one warm-up call."""
     fn()
@@ -94,8 +115,10 @@ def median_seconds(fn, rounds):
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
+
 # -----------------------------------------------------------------------------
 # 1. raw: one uint8 buffer between two plain processes
+
 
 def raw_receiver(port, nbytes, rounds, device="cpu"):
     group = init_group("127.0.0.1", port, 1, 2, device)
@@ -105,20 +128,24 @@ def raw_receiver(port, nbytes, rounds, device="cpu"):
         broadcast(group, buffer)
     close_group(group)
 
+
 def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
     """Median seconds of one broadcast of `nbytes` from this process (on `device`) to a spawned one
     (on `receiver_device`): gloo on the CPU, NCCL between GPUs."""
     port = free_port()
-    receiver = multiprocessing.get_context("spawn").Process(target=raw_receiver,
-                                                            args=(port, nbytes, 1 + rounds, receiver_device))
+    receiver = multiprocessing.get_context("spawn").Process(
+        target=raw_receiver, args=(port, nbytes, 1 + rounds, receiver_device)
+    )
     receiver.start()
     group = init_group("127.0.0.1", port, 0, 2, device)  # rank 0 hosts the rendezvous
     buffer = torch.ones(nbytes, dtype=torch.uint8, device=device)
 
     def one_round():
-        broadcast(group, torch.zeros(1, device=device), root=1)  # wait until the receiver is ready (not timed below)
+        # wait until the receiver is ready (not timed below)
+        broadcast(group, torch.zeros(1, device=device), root=1)
         start = time.perf_counter()
-        broadcast(group, buffer)  # on a GPU: until the device is synchronized, i.e. the broadcast has completed
+        # on a GPU: until the device is synchronized, i.e. the broadcast has completed
+        broadcast(group, buffer)
         return time.perf_counter() - start
 
     one_round()  # warm-up
@@ -127,8 +154,10 @@ def raw_broadcast_seconds(nbytes, rounds, device="cpu", receiver_device="cpu"):
     close_group(group)
     return seconds
 
+
 # -----------------------------------------------------------------------------
 # 3. per-param: the baseline, one HTTP call + one broadcast per tensor, into an HF model (no engine)
+
 
 def per_param_receiver(path, group_port, http_port, device="cpu", dtype="float32"):
     """Rank 1 until terminated: POST /update_param {name, dtype, shape} receives that one tensor
@@ -139,28 +168,40 @@ def per_param_receiver(path, group_port, http_port, device="cpu", dtype="float32
     from aiohttp import web
     from transformers import AutoModelForCausalLM
 
-    params = dict(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).named_parameters())
+    params = dict(
+        AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        .to(device)
+        .named_parameters()
+    )
 
     async def update_param(request):
         body = await request.json()
         buffer = torch.empty(body["shape"], dtype=getattr(torch, body["dtype"]), device=device)
-        broadcast(group, buffer)  # blocks the event loop: the trainer sends one tensor at a time anyway
-        params[body["name"]].data.copy_(buffer)  # on a GPU: queued on the stream, before anything later
+        # blocks the event loop: the trainer sends one tensor at a time anyway
+        broadcast(group, buffer)
+        # on a GPU: queued on the stream, before anything later
+        params[body["name"]].data.copy_(buffer)
         return web.json_response({"name": body["name"]})
 
-    sock = socket.create_server(("127.0.0.1", http_port))  # connections queue from here on, so once
-    group = init_group("127.0.0.1", group_port, 1, 2, device)  # the trainer has joined, it may post
+    # connections queue from here on, so once the trainer has joined, it may post
+    sock = socket.create_server(("127.0.0.1", http_port))
+    group = init_group("127.0.0.1", group_port, 1, 2, device)
     app = web.Application()
     app.router.add_post("/update_param", update_param)
     web.run_app(app, sock=sock, print=None)  # SIGTERM ends it
     close_group(group)
 
-def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", receiver_dtype="float32"):
+
+def per_param_seconds(
+    path, model, rounds, device="cpu", receiver_device="cpu", receiver_dtype="float32"
+):
     """Median seconds of sending `model` (its tensors on `device`) one tensor at a time into a
     per_param_receiver (its model in `receiver_dtype` on `receiver_device`)."""
     group_port, http_port = free_port(), free_port()
     receiver = multiprocessing.get_context("spawn").Process(
-        target=per_param_receiver, args=(path, group_port, http_port, receiver_device, receiver_dtype))
+        target=per_param_receiver,
+        args=(path, group_port, http_port, receiver_device, receiver_dtype),
+    )
     receiver.start()
     group = None
     try:
@@ -168,10 +209,15 @@ def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", 
         url, http = f"http://127.0.0.1:{http_port}/update_param", requests.Session()
 
         def update():
-            with ThreadPoolExecutor(1) as pool:  # as in client.update_model_params: receive while we broadcast
+            # as in client.update_model_params: receive while we broadcast
+            with ThreadPoolExecutor(1) as pool:
                 for name, t in model.named_parameters():  # the tied lm_head is listed once
                     t = t.detach()
-                    announce = {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    announce = {
+                        "name": name,
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape),
+                    }
                     reply = pool.submit(http.post, url, json=announce, timeout=120)
                     broadcast(group, t)
                     reply.result().raise_for_status()
@@ -186,16 +232,29 @@ def per_param_seconds(path, model, rounds, device="cpu", receiver_device="cpu", 
             receiver.kill()
             receiver.join()
 
+
 def cuda_main(a):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model(path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"), dtype="bfloat16", **QWEN25_05B)
+    path = tiny_model(
+        path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"),
+        dtype="bfloat16",
+        **QWEN25_05B,
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
-    named = list(model.named_parameters())  # the tied lm_head is listed once, as the client sends it
+    # the tied lm_head is listed once, as the client sends it
+    named = list(model.named_parameters())
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    print(f"model: Qwen2.5-0.5B shape, {len(named)} tensors, {nbytes / 2**20:.1f} MiB bfloat16, on {torch.cuda.get_device_name()}", flush=True)
+    print(
+        f"model: Qwen2.5-0.5B shape, {len(named)} tensors, {nbytes / 2**20:.1f} MiB bfloat16, "
+        f"on {torch.cuda.get_device_name()}",
+        flush=True,
+    )
 
-    src, dst = torch.ones(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (
+        torch.ones(nbytes, dtype=torch.uint8, device="cuda"),
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+    )
 
     def copy():
         dst.copy_(src)
@@ -205,71 +264,146 @@ def cuda_main(a):
     src = dst = None  # free both before the server starts (not `del`: copy() closes over them)
     print(f"raw copy on GPU:   {raw:7.4f} s  ({nbytes / 2**30 / raw:6.0f} GiB/s)", flush=True)
 
-    proc, client = launch_server("--model", path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--enforce-eager",
-                                 log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"))
+    proc, client = launch_server(
+        "--model",
+        path,
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--enforce-eager",
+        log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"),
+    )
     seconds = {}
     try:
         for transport in ("ipc", "gloo"):
             client.init_communicator(transport=transport)
             seconds[transport] = median_seconds(lambda: client.update_model_params(model), a.rounds)
             last = client.last_update
-            print(f"ours ({transport + '):':<6}    {seconds[transport]:7.4f} s  ({nbytes / 2**30 / seconds[transport]:6.1f} GiB/s)  "
-                  f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s", flush=True)
+            print(
+                f"ours ({transport + '):':<6}    {seconds[transport]:7.4f} s  "
+                f"({nbytes / 2**30 / seconds[transport]:6.1f} GiB/s)  "
+                f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s",
+                flush=True,
+            )
             client.close_communicator()
     finally:
         stop_server(proc)
     ipc = seconds["ipc"]
-    print(f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} ipc_vs_gloo={seconds['gloo'] / ipc:.1f}")
+    print(
+        f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} "
+        f"ipc_vs_gloo={seconds['gloo'] / ipc:.1f}"
+    )
+
 
 def two_gpu_main(a):
-    """--device cuda:1: the server on GPU 0, the trainer (this process) on GPU 1, weights over NCCL."""
+    """--device cuda:1: the server on GPU 0, the trainer (this process) on GPU 1, weights over
+    NCCL."""
     from transformers import AutoModelForCausalLM
 
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"--device cuda:1 needs two GPUs; {torch.cuda.device_count()} visible")
     trainer, receiver = torch.device("cuda", 1), torch.device("cuda", 0)  # the server takes GPU 0
     torch.cuda.set_device(trainer)  # this process's CUDA work (and its NCCL groups') on GPU 1
-    print(f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the server, the baselines' receivers); "
-          f"cuda:1 {torch.cuda.get_device_name(1)} (the trainer, every sender)", flush=True)
-    path = tiny_model(path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"), dtype="bfloat16", **QWEN25_05B)
+    print(
+        f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the server, the baselines' receivers); "
+        f"cuda:1 {torch.cuda.get_device_name(1)} (the trainer, every sender)",
+        flush=True,
+    )
+    path = tiny_model(
+        path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"),
+        dtype="bfloat16",
+        **QWEN25_05B,
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(trainer)
-    named = list(model.named_parameters())  # the tied lm_head is listed once, as the client sends it
+    # the tied lm_head is listed once, as the client sends it
+    named = list(model.named_parameters())
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    print(f"model: Qwen2.5-0.5B shape, {sum(t.numel() for _, t in named) / 1e6:.0f}M parameters, {len(named)} tensors, "
-          f"{nbytes / 2**20:.1f} MiB bfloat16, the trainer's copy on cuda:1", flush=True)
+    n_params = sum(t.numel() for _, t in named)
+    print(
+        f"model: Qwen2.5-0.5B shape, {n_params / 1e6:.0f}M parameters, {len(named)} tensors, "
+        f"{nbytes / 2**20:.1f} MiB bfloat16, the trainer's copy on cuda:1",
+        flush=True,
+    )
 
     # the baselines first, while both GPUs are free of the server
     raw = raw_broadcast_seconds(nbytes, a.rounds, trainer, receiver)
-    print(f"raw NCCL broadcast cuda:1 -> cuda:0:  {raw:7.4f} s  ({nbytes / 2**30 / raw:6.1f} GiB/s)", flush=True)
+    print(
+        f"raw NCCL broadcast cuda:1 -> cuda:0:  {raw:7.4f} s  ({nbytes / 2**30 / raw:6.1f} GiB/s)",
+        flush=True,
+    )
     per_param = per_param_seconds(path, model, a.per_param_rounds, trainer, receiver, "bfloat16")
-    print(f"per-param over NCCL:                 {per_param:7.4f} s  ({nbytes / 2**30 / per_param:6.1f} GiB/s)  "
-          "excludes engine weight loading (into an HF copy on cuda:0): a lower bound", flush=True)
+    print(
+        f"per-param over NCCL:                 {per_param:7.4f} s  "
+        f"({nbytes / 2**30 / per_param:6.1f} GiB/s)  "
+        "excludes engine weight loading (into an HF copy on cuda:0): a lower bound",
+        flush=True,
+    )
 
-    proc, client = launch_server("--model", path, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--enforce-eager",
-                                 log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"))
+    proc, client = launch_server(
+        "--model",
+        path,
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--enforce-eager",
+        log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"),
+    )
     try:
         client.init_communicator(transport="nccl", device="cuda:1")
         bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
         ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
         last = client.last_update  # where the worker spent the last update
-        print(f"ours (nccl, packed):                 {ours:7.4f} s  ({nbytes / 2**30 / ours:6.1f} GiB/s)  "
-              f"the trainer's sends {last['send_s']:.4f} s; in the worker: receive {last['receive_s']:.4f} s, "
-              f"load {last['load_s']:.4f} s", flush=True)
+        print(
+            f"ours (nccl, packed):                 {ours:7.4f} s  "
+            f"({nbytes / 2**30 / ours:6.1f} GiB/s)  "
+            f"the trainer's sends {last['send_s']:.4f} s; "
+            f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s",
+            flush=True,
+        )
         client.close_communicator()
     finally:
         stop_server(proc)
-    print(f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f} "
-          f"transfer_vs_raw={raw / last['send_s']:.3f}")
+    print(
+        f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} "
+        f"packed_vs_per_param={per_param / ours:.1f} transfer_vs_raw={raw / last['send_s']:.3f}"
+    )
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden-size", type=int, default=512, help="hidden size of the benchmark model")
-    p.add_argument("--layers", type=int, default=24, help="decoder layers of the benchmark model (12 tensors each)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds for raw and ours (the median is reported)")
-    p.add_argument("--per-param-rounds", type=int, default=3, help="timed rounds of the per-parameter baseline")
-    p.add_argument("--bucket-mb", type=int, default=None, help="bucket size for ours (default: the client's default)")
-    p.add_argument("--device", choices=["cpu", "cuda", "cuda:1"], default="cpu",
-                   help="cuda: the one-GPU benchmark; cuda:1: the two-GPU one, the trainer on GPU 1 (see above)")
+    p.add_argument(
+        "--hidden-size", type=int, default=512, help="hidden size of the benchmark model"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=24,
+        help="decoder layers of the benchmark model (12 tensors each)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed rounds for raw and ours (the median is reported)",
+    )
+    p.add_argument(
+        "--per-param-rounds", type=int, default=3, help="timed rounds of the per-parameter baseline"
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=None,
+        help="bucket size for ours (default: the client's default)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "cuda:1"],
+        default="cpu",
+        help="cuda: the one-GPU benchmark; "
+        "cuda:1: the two-GPU one, the trainer on GPU 1 (see above)",
+    )
     a = p.parse_args()
     if a.device == "cuda":
         return cuda_main(a)
@@ -278,8 +412,11 @@ def main():
 
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model(path=os.path.join(ROOT, ".cache", f"bench-model-h{a.hidden_size}-l{a.layers}"),
-                      hidden_size=a.hidden_size, num_layers=a.layers)
+    path = tiny_model(
+        path=os.path.join(ROOT, ".cache", f"bench-model-h{a.hidden_size}-l{a.layers}"),
+        hidden_size=a.hidden_size,
+        num_layers=a.layers,
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     named = list(model.named_parameters())  # tied lm_head is listed once, as the client sends it
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -288,21 +425,30 @@ def main():
     raw = raw_broadcast_seconds(nbytes, a.rounds)
     print(f"raw broadcast:     {raw:7.3f} s  ({nbytes / 2**20 / raw:6.0f} MiB/s)", flush=True)
     per_param = per_param_seconds(path, model, a.per_param_rounds)
-    print(f"per-param:         {per_param:7.3f} s  ({nbytes / 2**20 / per_param:6.0f} MiB/s)  "
-          "excludes engine weight loading: a lower bound", flush=True)
+    print(
+        f"per-param:         {per_param:7.3f} s  ({nbytes / 2**20 / per_param:6.0f} MiB/s)  "
+        "excludes engine weight loading: a lower bound",
+        flush=True,
+    )
 
-    proc, client = launch_server("--model", path, log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"))
+    proc, client = launch_server(
+        "--model", path, log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log")
+    )
     try:
         client.init_communicator()
         bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
         ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
         print(f"ours (packed):     {ours:7.3f} s  ({nbytes / 2**20 / ours:6.0f} MiB/s)", flush=True)
         last = client.last_update  # where the worker spent the last update
-        print(f"  in the worker: receive {last['receive_s']:.3f} s, load (reload_weights + re-pack) {last['load_s']:.3f} s")
+        print(
+            f"  in the worker: receive {last['receive_s']:.3f} s, "
+            f"load (reload_weights + re-pack) {last['load_s']:.3f} s"
+        )
         client.close_communicator()
     finally:
         stop_server(proc)
     print(f"sync_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f}")
+
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@
 Run: make test   (or: .venv/bin/python -m pytest tests)
 On a GPU machine the same tests run against a server on the GPU (see the README's GPU section).
 """
+
 import importlib.util
 import os
 import sys
@@ -22,8 +23,12 @@ HAS_MCP = importlib.util.find_spec("mcp") is not None
 needs_mcp = pytest.mark.skipif(not HAS_MCP, reason="the mcp package is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # on a GPU the session server takes little memory: tests start more engines and trainers beside it
-GPU_FLAGS = ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager") \
-    if torch.cuda.is_available() else ()
+GPU_FLAGS = (
+    ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager")
+    if torch.cuda.is_available()
+    else ()
+)
+
 
 def position_gradients(model, backward):
     """(T-1,) the gradient reaching each position's final hidden state of a one-sequence batch
@@ -33,25 +38,43 @@ def position_gradients(model, backward):
     def keep_hidden(module, inputs, output):
         output.retain_grad()
         captured["hidden"] = output
+
     hook = model.model.norm.register_forward_hook(keep_hidden)
     backward()
     hook.remove()
     return captured["hidden"].grad[0, :-1].abs().sum(-1)
 
+
 @pytest.fixture(scope="session")
 def model_path():
     return tiny_model()
 
+
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
-    mcp = ("--mcp-server", f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}") if HAS_MCP else ()
-    proc, client = launch_server(*mcp, *GPU_FLAGS, "--tool-timeout", "2", log_path=tmp_path_factory.mktemp("server") / "server.log")
+    mcp = (
+        (
+            "--mcp-server",
+            f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}",
+        )
+        if HAS_MCP
+        else ()
+    )
+    proc, client = launch_server(
+        *mcp,
+        *GPU_FLAGS,
+        "--tool-timeout",
+        "2",
+        log_path=tmp_path_factory.mktemp("server") / "server.log",
+    )
     yield client
     stop_server(proc)
+
 
 @pytest.fixture
 def client(server):
     return server
+
 
 @pytest.fixture
 def restore_weights(server, model_path):

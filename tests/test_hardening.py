@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m pytest tests/test_hardening.py
 """
+
 import json
 import os
 import random
@@ -20,51 +21,154 @@ from client import Client, ServerError, free_port, launch_server, stop_server
 from conftest import GPU_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROUTES = ["/generate", "/rollout", "/get_future", "/abort", "/init_communicator", "/update_weights", "/close_communicator"]
-JUNK = [None, True, False, -1, 0, 10**30, -(10**30), 1.5, -0.5, "", "a", "x" * 5000, "\u0000", "é", [], [None], [1, "a"],
-        [[]], [[-1]], [[10**9]], {}, {"a": [None]}, [{"name": 1}], float("nan"), float("inf")]
-FIELDS = ["prompts", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed", "logprobs", "stop",
-          "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "priority", "request_id", "timeout", "tools",
-          "max_turns", "max_episode_tokens", "call_start", "call_end", "transport", "host", "world_size", "gpu", "buckets",
-          "repetition_penalty", "skip_special_tokens", "bogus"]
+ROUTES = [
+    "/generate",
+    "/rollout",
+    "/get_future",
+    "/abort",
+    "/init_communicator",
+    "/update_weights",
+    "/close_communicator",
+]
+JUNK = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    10**30,
+    -(10**30),
+    1.5,
+    -0.5,
+    "",
+    "a",
+    "x" * 5000,
+    "\u0000",
+    "é",
+    [],
+    [None],
+    [1, "a"],
+    [[]],
+    [[-1]],
+    [[10**9]],
+    {},
+    {"a": [None]},
+    [{"name": 1}],
+    float("nan"),
+    float("inf"),
+]
+FIELDS = [
+    "prompts",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "logprobs",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "priority",
+    "request_id",
+    "timeout",
+    "tools",
+    "max_turns",
+    "max_episode_tokens",
+    "call_start",
+    "call_end",
+    "transport",
+    "host",
+    "world_size",
+    "gpu",
+    "buckets",
+    "repetition_penalty",
+    "skip_special_tokens",
+    "bogus",
+]
+
 
 def post(client, path, **kwargs):
     return requests.post(client.base_url + path, timeout=120, headers=client.headers, **kwargs)
 
+
 def fuzz_bodies(rng, n):
     """Malformed bodies: bytes that are not JSON or not UTF-8, JSON that is not an object, and
     objects whose fields hold values of every wrong type, around a prompt that is valid."""
-    raw = [b"", b"\xff\xfe\x00", b"{", b"[]", b"null", b"123", b'"text"', b"{\"prompts\": [\"a\"", b"\xc3\x28{}", b"NaN"]
+    raw = [
+        b"",
+        b"\xff\xfe\x00",
+        b"{",
+        b"[]",
+        b"null",
+        b"123",
+        b'"text"',
+        b'{"prompts": ["a"',
+        b"\xc3\x28{}",
+        b"NaN",
+    ]
     bodies = [("data", r) for r in raw]
     for _ in range(n - len(raw)):
         body = {"prompts": ["a"], "max_tokens": 2} if rng.random() < 0.5 else {}
         for name in rng.sample(FIELDS, rng.randint(1, 4)):
             body[name] = rng.choice(JUNK)
-        bodies.append(("data", json.dumps(body).encode()))  # json.dumps writes NaN and Infinity, as Python reads them
+        # json.dumps writes NaN and Infinity, as Python reads them
+        bodies.append(("data", json.dumps(body).encode()))
     return bodies
+
 
 def test_fuzzed_bodies_never_get_a_5xx_and_the_engine_still_generates(client):
     rng = random.Random(0)
     statuses = {}
     for path in ROUTES:
-        for kind, body in fuzz_bodies(rng, 60):
+        for _kind, body in fuzz_bodies(rng, 60):
             status = post(client, path, data=body).status_code
             statuses[status] = statuses.get(status, 0) + 1
             assert status < 500, (path, body[:200], status)
     print(f"fuzz: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= 400 and statuses.get(202, 0) < sum(statuses.values())
-    [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)  # a real generation completes
+    # a real generation completes
+    [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)
     assert len(c.token_ids) == 8
 
-OPENAI_FIELDS = ["model", "prompt", "messages", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
-                 "seed", "logprobs", "top_logprobs", "stream", "presence_penalty", "bogus"]
+
+OPENAI_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "n",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "presence_penalty",
+    "bogus",
+]
+
 
 def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
     rng, statuses = random.Random(1), {}
     model = client.health()["model"]
-    junk = JUNK + [[{"role": "user"}], [{"role": 1, "content": "a"}], [{"role": "user", "content": ["a"]}]]
-    for path, valid in (("/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2}),
-                        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2})):
+    junk = JUNK + [
+        [{"role": "user"}],
+        [{"role": 1, "content": "a"}],
+        [{"role": "user", "content": ["a"]}],
+    ]
+    for path, valid in (
+        ("/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2},
+        ),
+    ):
         for _ in range(80):
             body = dict(valid) if rng.random() < 0.7 else {}
             for name in rng.sample(OPENAI_FIELDS, rng.randint(1, 3)):
@@ -79,21 +183,27 @@ def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
     [[c]] = client.generate(["still alive"], max_tokens=8, ignore_eos=True)
     assert len(c.token_ids) == 8
 
-@pytest.mark.parametrize("body,word", [
-    ({"prompts": ["a"], "stop": [5], "include_stop_str_in_output": True}, "stop"),  # once killed vLLM's input thread
-    ({"prompts": ["a"], "stop_token_ids": ["x"]}, "stop_token_ids"),
-    ({"prompts": ["a"], "n": 100000}, "--max-n"),
-    ({"prompts": ["a"], "max_tokens": 10**6}, "--max-model-len"),
-    ({"prompts": ["a"] * 300, "n": 100}, "--max-request-seqs"),
-    ({"prompts": ["a"], "seed": 2**70}, "invalid sampling"),
-    ({"prompts": ["a"], "tools": [{"x": 1}]}, "tools"),
-])
+
+@pytest.mark.parametrize(
+    "body,word",
+    [
+        # once killed vLLM's input thread
+        ({"prompts": ["a"], "stop": [5], "include_stop_str_in_output": True}, "stop"),
+        ({"prompts": ["a"], "stop_token_ids": ["x"]}, "stop_token_ids"),
+        ({"prompts": ["a"], "n": 100000}, "--max-n"),
+        ({"prompts": ["a"], "max_tokens": 10**6}, "--max-model-len"),
+        ({"prompts": ["a"] * 300, "n": 100}, "--max-request-seqs"),
+        ({"prompts": ["a"], "seed": 2**70}, "invalid sampling"),
+        ({"prompts": ["a"], "tools": [{"x": 1}]}, "tools"),
+    ],
+)
 def test_fields_that_could_break_the_engine_are_a_400(client, body, word):
     path = "/rollout" if "tools" in body else "/generate"
     r = post(client, path, json=body)
     assert r.status_code == 400 and word in r.json()["error"], r.text
     assert post(client, "/generate", data=b"\xff\xfe\x00").status_code == 400
     assert client.generate(["ok"], max_tokens=2)[0][0].finish_reason == "length"
+
 
 def test_each_of_two_identical_requests_is_fetched_once(client):
     body = {"prompts": ["twins"], "n": 2, "max_tokens": 300, "ignore_eos": True}
@@ -103,6 +213,7 @@ def test_each_of_two_identical_requests_is_fetched_once(client):
     assert [r.status_code for r in replies] == [200, 200]
     assert {r.json()["request_id"] for r in replies} == ids
     assert post(client, "/get_future", json=body).status_code == 404
+
 
 def test_abort_stops_a_request_and_frees_it(client):
     future = client.generate(["stop me"], n=4, max_tokens=2000, ignore_eos=True, is_async=True)
@@ -116,41 +227,71 @@ def test_abort_stops_a_request_and_frees_it(client):
         time.sleep(0.1)
     assert future.request_id not in client.pending
 
+
 def test_a_failing_caller_aborts_what_it_submitted(client):
     with pytest.raises(ZeroDivisionError), client:
-        futures = [client.generate([f"orphan {i}"], max_tokens=2000, ignore_eos=True, is_async=True) for i in range(3)]
-        1 / 0
+        futures = [
+            client.generate([f"orphan {i}"], max_tokens=2000, ignore_eos=True, is_async=True)
+            for i in range(3)
+        ]
+        raise ZeroDivisionError
     for f in futures:
-        assert post(client, "/get_future", json={"request_id": f.request_id, "timeout": 0}).status_code == 404
+        assert (
+            post(client, "/get_future", json={"request_id": f.request_id, "timeout": 0}).status_code
+            == 404
+        )
+
 
 def test_a_non_loopback_host_without_a_key_refuses_to_start():
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--host", "0.0.0.0"], capture_output=True,
-                         text=True, timeout=120, env=env)
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "server.py"), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert run.returncode == 2 and "--api-key" in run.stderr
+
 
 # -----------------------------------------------------------------------------
 # a second server, with a key, a short result TTL, few pending results and a short drain timeout
 
+
 @pytest.fixture(scope="module")
 def strict(model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("strict") / "server.log"
-    proc, client = launch_server("--model", model_path, "--result-ttl", "2", "--max-pending", "4", "--drain-timeout", "1",
-                                 *GPU_FLAGS, api_key="secret", log_path=log)
+    proc, client = launch_server(
+        "--model",
+        model_path,
+        "--result-ttl",
+        "2",
+        "--max-pending",
+        "4",
+        "--drain-timeout",
+        "1",
+        *GPU_FLAGS,
+        api_key="secret",
+        log_path=log,
+    )
     yield proc, client, log
     if proc.poll() is None:
         stop_server(proc)
+
 
 def test_every_route_but_health_and_metrics_needs_the_key(strict):
     _, client, _ = strict
     for path in ROUTES:
         r = requests.post(client.base_url + path, json={"prompts": ["a"]}, timeout=30)
         assert r.status_code == 401 and "API key" in r.json()["error"]
-        r = requests.post(client.base_url + path, json={}, timeout=30, headers={"Authorization": "Bearer wrong"})
+        r = requests.post(
+            client.base_url + path, json={}, timeout=30, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
     assert requests.get(client.base_url + "/health", timeout=30).status_code == 200
     assert requests.get(client.base_url + "/metrics", timeout=30).status_code == 200
     assert client.generate(["with the key"], max_tokens=2)[0][0].finish_reason == "length"
+
 
 def test_unfetched_results_expire_and_are_counted(strict):
     _, client, _ = strict
@@ -160,11 +301,17 @@ def test_unfetched_results_expire_and_are_counted(strict):
         future.result(timeout=1)
     assert gone.value.status == 404
     metrics = requests.get(client.base_url + "/metrics", timeout=30).text
-    assert [line for line in metrics.splitlines() if line.startswith("asyncgrpo_expired_results_total")][0].split()[-1] != "0.0"
+    assert [
+        line for line in metrics.splitlines() if line.startswith("asyncgrpo_expired_results_total")
+    ][0].split()[-1] != "0.0"
+
 
 def test_beyond_max_pending_is_a_429(strict):
     _, client, _ = strict
-    futures = [client.generate([f"busy {i}"], max_tokens=1500, ignore_eos=True, is_async=True) for i in range(4)]
+    futures = [
+        client.generate([f"busy {i}"], max_tokens=1500, ignore_eos=True, is_async=True)
+        for i in range(4)
+    ]
     with pytest.raises(ServerError) as full:
         client.generate(["one too many"], max_tokens=2, is_async=True)
     assert full.value.status == 429
@@ -172,13 +319,19 @@ def test_beyond_max_pending_is_a_429(strict):
         f.abort()
     assert client.generate(["room again"], max_tokens=2)[0][0].finish_reason == "length"
 
+
 def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     _, client, _ = strict
     model = client.health()["model"]
 
     def call(session_id, key="secret"):
-        return requests.post(client.base_url + "/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 1},
-                             headers={"Authorization": f"Bearer {key}", "X-Session-ID": session_id}, timeout=60)
+        return requests.post(
+            client.base_url + "/v1/completions",
+            json={"model": model, "prompt": "a", "max_tokens": 1},
+            headers={"Authorization": f"Bearer {key}", "X-Session-ID": session_id},
+            timeout=60,
+        )
+
     assert call("s0", key="wrong").status_code == 401
     assert [call(f"s{i}").status_code for i in range(4)] == [200] * 4
     full = call("s4")  # --max-pending 4: no fifth session, and nothing is generated for it
@@ -186,6 +339,7 @@ def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     assert call("s0").status_code == 200  # an open session goes on
     time.sleep(2.5)  # --result-ttl 2: sessions unused for 2 s expire
     assert call("s4").status_code == 200
+
 
 def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, model_path):
     _, client, _ = strict
@@ -198,31 +352,58 @@ def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, 
     time.sleep(0.5)
     with pytest.raises(ServerError) as refused:
         client.update_model_params(model)  # --drain-timeout 1
-    assert refused.value.status == 503 and "still generating after the drain timeout" in refused.value.message
+    assert (
+        refused.value.status == 503
+        and "still generating after the drain timeout" in refused.value.message
+    )
     assert {c.version for c in busy.result()[0]} == {v0}
     assert client.update_model_params(model) == v0 + 1  # the group survived: nothing had been sent
     client.close_communicator()
 
+
 def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
     proc, client, log = strict
-    for child in psutil.Process(proc.pid).children(recursive=True):  # vLLM's engine core (and its workers)
+    # vLLM's engine core (and its workers)
+    for child in psutil.Process(proc.pid).children(recursive=True):
         child.kill()
     proc.wait(60)  # the server notices within a second or so, and stops
     assert proc.returncode not in (0, None)
     assert "engine failed" in open(log).read()
 
+
 # -----------------------------------------------------------------------------
 # a trainer whose server restarts
 
+
 def test_training_survives_a_server_restart(model_path, tmp_path):
     port, group_port = free_port(), free_port()
-    start = lambda: launch_server("--model", model_path, *GPU_FLAGS, port=port, group_port=group_port,  # noqa: E731
-                                  log_path=tmp_path / f"server{time.monotonic()}.log")[0]
+
+    def start():
+        return launch_server(
+            "--model",
+            model_path,
+            *GPU_FLAGS,
+            port=port,
+            group_port=group_port,
+            log_path=tmp_path / f"server{time.monotonic()}.log",
+        )[0]
+
     proc = start()
-    cfg = train.Config(model=model_path, steps=16, prompts_per_step=8, micro_batches=2, group_size=4, out=str(tmp_path),
-                       reconnect_timeout=240)
+    cfg = train.Config(
+        model=model_path,
+        steps=16,
+        prompts_per_step=8,
+        micro_batches=2,
+        group_size=4,
+        out=str(tmp_path),
+        reconnect_timeout=240,
+    )
     out = {}
-    trainer = threading.Thread(target=lambda: out.setdefault("history", train.train(cfg, Client(f"http://127.0.0.1:{port}"))))
+    trainer = threading.Thread(
+        target=lambda: out.setdefault(
+            "history", train.train(cfg, Client(f"http://127.0.0.1:{port}"))
+        )
+    )
     trainer.start()
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -236,18 +417,26 @@ def test_training_survives_a_server_restart(model_path, tmp_path):
         assert not trainer.is_alive()
         versions = [h["version"] for h in out["history"]]
         assert len(versions) == 16
-        assert any(b < a for a, b in zip(versions, versions[1:])), versions  # a new server, and training went on
+        # a new server, and training went on
+        assert any(b < a for a, b in zip(versions, versions[1:])), versions
     finally:
         stop_server(proc)
 
+
 def test_a_failed_request_among_several_loses_none_of_the_others(client):
     good = client.generate(["fine"], max_tokens=2, is_async=True)
-    bad = client.generate([[5] * 2100], max_tokens=2, is_async=True)  # longer than --max-model-len: the engine refuses it
+    # longer than --max-model-len: the engine refuses it
+    bad = client.generate([[5] * 2100], max_tokens=2, is_async=True)
     time.sleep(2)  # both are done
     statuses, fetched = [], set()
     for _ in range(3):
-        r = post(client, "/get_future", json={"request_ids": [good.request_id, bad.request_id], "timeout": 30})
+        r = post(
+            client,
+            "/get_future",
+            json={"request_ids": [good.request_id, bad.request_id], "timeout": 30},
+        )
         statuses.append(r.status_code)
         if r.status_code == 200:
             fetched |= {x["request_id"] for x in r.json()["results"]}
-    assert 422 in statuses and fetched == {good.request_id}  # the failure is answered, the success is not lost
+    # the failure is answered, the success is not lost
+    assert 422 in statuses and fetched == {good.request_id}

@@ -6,6 +6,7 @@ emits greedily after that prompt.
 
 Run: .venv/bin/python -m pytest tests/test_rollout.py
 """
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -13,14 +14,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import train
 from conftest import needs_mcp, position_gradients
 
+
 @pytest.fixture(scope="module")
 def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
+
 def greedy_rollout(client, prompt, **options):
-    first = client.generate([prompt], temperature=0.0, max_tokens=1)[0][0].text  # what the model says first
+    # what the model says first
+    first = client.generate([prompt], temperature=0.0, max_tokens=1)[0][0].text
     [[episode]] = client.rollout([prompt], temperature=0.0, max_tokens=8, call_end=first, **options)
     return episode
+
 
 def segments(episode):
     """Runs of equal loss-mask value: [(mask, token ids)]."""
@@ -31,6 +36,7 @@ def segments(episode):
         else:
             runs.append((m, [t]))
     return runs
+
 
 def test_tokens_are_prompt_then_sampled_then_tool_output_exactly(client, tokenizer):
     prompt = "<tool>calc 2+3"
@@ -47,6 +53,7 @@ def test_tokens_are_prompt_then_sampled_then_tool_output_exactly(client, tokeniz
     again = client.generate([context], temperature=0.0, max_tokens=len(sampled[1]))[0][0]
     assert again.token_ids == sampled[1]
 
+
 def test_logprobs_exactly_on_sampled_tokens(client):
     ep = greedy_rollout(client, "<tool>calc 7*6", max_turns=3)
     assert len(ep.logprobs) == len(ep.token_ids) == len(ep.loss_mask)
@@ -54,13 +61,21 @@ def test_logprobs_exactly_on_sampled_tokens(client):
     assert all(lp <= 0 for lp in ep.logprobs if lp is not None)
     assert {t["version"] for t in ep.turns} == {client.health()["version"]}
 
-@pytest.mark.parametrize("call,error", [("calc 2+", "error: SyntaxError"), ("nosuch 1", "error: unknown tool 'nosuch'"),
-                                        pytest.param("slow 30", "error: tool 'slow' timed out after 2.0 s", marks=needs_mcp)])
+
+@pytest.mark.parametrize(
+    "call,error",
+    [
+        ("calc 2+", "error: SyntaxError"),
+        ("nosuch 1", "error: unknown tool 'nosuch'"),
+        pytest.param("slow 30", "error: tool 'slow' timed out after 2.0 s", marks=needs_mcp),
+    ],
+)
 def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, error):
     ep = greedy_rollout(client, f"<tool>{call}", max_turns=2)
     assert ep.tool_calls[0]["result"].startswith(error)
     assert len(ep.turns) == 2  # the episode went on after the error
     assert client.health()["status"] == "ok"
+
 
 @needs_mcp
 def test_mcp_tools_are_listed_and_called(client):
@@ -68,9 +83,11 @@ def test_mcp_tools_are_listed_and_called(client):
     ep = greedy_rollout(client, "<tool>reverse abc", max_turns=2)
     assert ep.tool_calls[0] == {"name": "reverse", "argument": "abc", "result": "cba"}
 
+
 def test_tools_outside_the_allowed_list_are_refused(client):
     ep = greedy_rollout(client, "<tool>shout hi", max_turns=2, tools=["calc"])
     assert ep.tool_calls[0]["result"] == "error: tool 'shout' is not available"
+
 
 def test_max_turns_and_token_budget_stop_an_episode(client):
     ep = greedy_rollout(client, "<tool>calc 1+1", max_turns=1)
@@ -79,19 +96,33 @@ def test_max_turns_and_token_budget_stop_an_episode(client):
     assert ep.finish_reason == "budget" and len(ep.turns) == 1
     assert sum(1 for m in ep.loss_mask if m) <= 4
 
+
 def test_bad_rollout_input_is_a_4xx(client):
     from client import ServerError
 
-    for bad in [dict(max_turns=0), dict(tools=["nosuch"]), dict(call_end=""), dict(max_episode_tokens="x")]:
+    for bad in [
+        dict(max_turns=0),
+        dict(tools=["nosuch"]),
+        dict(call_end=""),
+        dict(max_episode_tokens="x"),
+    ]:
         with pytest.raises(ServerError) as e:
             client.rollout(["a"], **bad)
         assert e.value.status == 400
 
+
 def test_50_concurrent_episodes_all_finish(client):
-    episodes = client.rollout(["<tool>calc 3*3"] * 10, n=5, temperature=1.0, max_tokens=6, max_turns=3, call_end="x")
+    episodes = client.rollout(
+        ["<tool>calc 3*3"] * 10, n=5, temperature=1.0, max_tokens=6, max_turns=3, call_end="x"
+    )
     assert [len(per_prompt) for per_prompt in episodes] == [5] * 10
-    assert all(ep.finish_reason in ("stop", "length", "max_turns", "budget") for per in episodes for ep in per)
+    assert all(
+        ep.finish_reason in ("stop", "length", "max_turns", "budget")
+        for per in episodes
+        for ep in per
+    )
     assert client.health()["pending_results"] == 0
+
 
 def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model_path):
     ep = greedy_rollout(client, "<tool>calc 4+4", max_turns=3)
@@ -100,7 +131,10 @@ def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model
 
     def backward():
         logprobs = train.token_logprobs(model, batch)
-        train.pg_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False]))[0].backward()
+        train.pg_loss(
+            logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False])
+        )[0].backward()
+
     grad = position_gradients(model, backward)
     target_mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # position t predicts token t+1
     assert (grad[~target_mask] == 0).all()

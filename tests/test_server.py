@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m pytest tests/test_server.py
 """
+
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -9,8 +10,10 @@ import requests
 
 from client import Client, ServerError
 
+
 def post(client, path, **kwargs):
     return requests.post(client.base_url + path, timeout=60, **kwargs)
+
 
 def test_generate_returns_while_request_still_in_flight(client):
     future = client.generate(["long"], n=8, max_tokens=1500, ignore_eos=True, is_async=True)
@@ -21,6 +24,7 @@ def test_generate_returns_while_request_still_in_flight(client):
     [completions] = future.result()
     assert [len(c.token_ids) for c in completions] == [1500] * 8
 
+
 def test_get_future_by_id_and_by_identical_arguments_agree(client):
     # greedy: the same arguments give the same tokens even where (on a GPU) the two requests
     # share a batch and seeded sampling is not batch-invariant
@@ -28,12 +32,14 @@ def test_get_future_by_id_and_by_identical_arguments_agree(client):
     first = post(client, "/generate", json=body).json()["request_id"]
     second = post(client, "/generate", json=body).json()["request_id"]
     by_id = post(client, "/get_future", json={"request_id": first}).json()
-    by_args = post(client, "/get_future", json=body).json()  # finds the oldest unfetched identical call
+    # finds the oldest unfetched identical call
+    by_args = post(client, "/get_future", json=body).json()
     assert by_args["request_id"] == second
     for a, b in zip(by_id["completions"], by_args["completions"]):  # same arguments, same tokens
         assert [c["token_ids"] for c in a] == [c["token_ids"] for c in b]
         assert [c["logprobs"] for c in a] == [pytest.approx(c["logprobs"], abs=1e-4) for c in b]
     assert post(client, "/get_future", json=body).status_code == 404  # both fetched and freed
+
 
 def test_n_completions_each_with_token_ids_and_logprobs(client):
     results = client.generate(["hello", [5, 6, 7]], n=8, max_tokens=20, temperature=1.0)
@@ -48,13 +54,24 @@ def test_n_completions_each_with_token_ids_and_logprobs(client):
             assert c.version == client.health()["version"]
     assert len({tuple(c.token_ids) for c in results[0]}) > 1  # n samples, not one repeated
 
+
 def test_server_matches_synchronous_vllm(client, model_path):
     from vllm import LLM, SamplingParams
 
     prompts = ["hello world", "the cat", "1+2="]
-    cases = [dict(temperature=0.0, max_tokens=24), dict(temperature=1.0, top_p=0.9, max_tokens=24, seed=123, n=4)]
+    cases = [
+        dict(temperature=0.0, max_tokens=24),
+        dict(temperature=1.0, top_p=0.9, max_tokens=24, seed=123, n=4),
+    ]
     served = [client.generate(prompts, **case) for case in cases]
-    llm = LLM(model=model_path, dtype="float32", max_model_len=2048, enforce_eager=True, kv_cache_memory_bytes=64 << 20, seed=0)
+    llm = LLM(
+        model=model_path,
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+    )
     try:
         for case, results in zip(cases, served):
             reference = llm.generate(prompts, SamplingParams(**case))
@@ -64,15 +81,25 @@ def test_server_matches_synchronous_vllm(client, model_path):
     finally:
         llm.llm_engine.engine_core.shutdown()
 
+
 def test_200_concurrent_requests_all_complete_and_are_freed(client):
-    before = client.health()["pending_results"]  # an earlier test may leave a result nobody fetches (it expires)
+    # an earlier test may leave a result nobody fetches (it expires)
+    before = client.health()["pending_results"]
     with ThreadPoolExecutor(16) as pool:
-        futures = list(pool.map(lambda i: Client(client.base_url).generate([f"req {i}"], n=2, max_tokens=8, is_async=True), range(200)))
+        futures = list(
+            pool.map(
+                lambda i: Client(client.base_url).generate(
+                    [f"req {i}"], n=2, max_tokens=8, is_async=True
+                ),
+                range(200),
+            )
+        )
         results = list(pool.map(lambda f: f.result(timeout=300), futures))
     assert len({f.request_id for f in futures}) == 200
     assert all(len(r) == 1 and len(r[0]) == 2 for r in results)
     health = client.health()
     assert health["pending_results"] == before and health["in_flight"] == 0
+
 
 BAD_INPUTS = [
     ({"json": {"n": 1}}, 400, "prompts"),
@@ -90,24 +117,30 @@ BAD_INPUTS = [
     ({"data": b"x" * (17 << 20)}, 413, ""),
 ]
 
+
 @pytest.mark.parametrize("kwargs,status,word", BAD_INPUTS)
 def test_bad_generate_input_gets_4xx_with_message(client, kwargs, status, word):
     r = post(client, "/generate", **kwargs)
     assert r.status_code == status
     assert word in r.json()["error"]
 
+
 def test_unknown_request_id_is_404_and_server_keeps_serving(client):
     r = post(client, "/get_future", json={"request_id": "no-such-id"})
     assert r.status_code == 404 and "no such request" in r.json()["error"]
     assert post(client, "/get_future", json={"request_id": "x", "timeout": -1}).status_code == 400
-    assert post(client, "/get_future", json={"request_id": ["not", "a", "string"]}).status_code == 400
+    assert (
+        post(client, "/get_future", json={"request_id": ["not", "a", "string"]}).status_code == 400
+    )
     assert client.health()["status"] == "ok"
     assert len(client.generate(["still serving"], max_tokens=4)[0]) == 1
+
 
 def test_prompt_longer_than_the_model_is_a_4xx_at_get_future(client):
     with pytest.raises(ServerError) as e:
         client.generate([[5] * 3000], max_tokens=4)
     assert e.value.status == 422
+
 
 def test_client_reports_an_unreachable_server():
     with pytest.raises(ConnectionError, match="unreachable"):

@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m pytest tests/test_train.py
 """
+
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import train
 from client import ServerError
 
+
 def random_batch(n, seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 6, (n, 2), generator=g).tolist()
@@ -22,17 +24,21 @@ def random_batch(n, seed):
     completions = [torch.randint(2, 90, (c,), generator=g).tolist() for _, c in lengths]
     return prompts, completions, torch.randn(n, generator=g)
 
+
 def step_gradient(model, prompts, completions, advantages, micro_batches):
     """The trainer's recipe: summed losses per micro-batch, then one division by all tokens."""
     model.zero_grad()
     tokens, size = 0, len(prompts) // micro_batches
     for i in range(0, len(prompts), size):
-        batch = train.make_batch(prompts[i:i + size], completions[i:i + size], pad_id=1)
+        batch = train.make_batch(prompts[i : i + size], completions[i : i + size], pad_id=1)
         logprobs = train.token_logprobs(model, batch)
         on_policy = torch.zeros(len(logprobs), dtype=torch.bool)
-        train.pg_loss(logprobs, logprobs.detach(), advantages[i:i + size], batch["mask"], on_policy)[0].backward()
+        train.pg_loss(
+            logprobs, logprobs.detach(), advantages[i : i + size], batch["mask"], on_policy
+        )[0].backward()
         tokens += batch["mask"].sum()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
+
 
 def test_micro_batches_give_the_gradient_of_one_batch(model_path):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -42,6 +48,7 @@ def test_micro_batches_give_the_gradient_of_one_batch(model_path):
     assert one.abs().max() > 0
     assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)
 
+
 def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path):
     """The overlap forms micro-batches in completion order: any permutation and split of the step's
     sequences must give the same summed gradient."""
@@ -49,14 +56,28 @@ def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path):
     prompts, completions, advantages = random_batch(16, seed=1)
     order = torch.randperm(16, generator=torch.Generator().manual_seed(2)).tolist()
     one = step_gradient(model, prompts, completions, advantages, micro_batches=1)
-    shuffled = step_gradient(model, [prompts[i] for i in order], [completions[i] for i in order], advantages[order],
-                             micro_batches=8)
+    shuffled = step_gradient(
+        model,
+        [prompts[i] for i in order],
+        [completions[i] for i in order],
+        advantages[order],
+        micro_batches=8,
+    )
     assert torch.allclose(one, shuffled, atol=1e-6, rtol=1e-4)
+
 
 def full_log_softmax(model, batch, temperature):
     """The straightforward way: the whole batch's fp32 logits and one log_softmax over them."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention"]).logits[:, :-1].float() / temperature
-    return torch.gather(torch.log_softmax(logits, -1), 2, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    logits = (
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention"])
+        .logits[:, :-1]
+        .float()
+        / temperature
+    )
+    return torch.gather(torch.log_softmax(logits, -1), 2, batch["input_ids"][:, 1:, None]).squeeze(
+        -1
+    )
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_and_their_gradient_are_one_log_softmax(model_path, temperature):
@@ -64,19 +85,32 @@ def test_chunked_logprobs_and_their_gradient_are_one_log_softmax(model_path, tem
     prompts, completions, advantages = random_batch(6, seed=4)
     batch = train.make_batch(prompts, completions, pad_id=1)
     results = []
-    for logprobs in (lambda: full_log_softmax(model, batch, temperature),
-                     lambda: train.token_logprobs(model, batch, temperature, chunk_tokens=7)):  # chunks straddle rows
+    # chunks straddle rows
+    for logprobs in (
+        lambda: full_log_softmax(model, batch, temperature),
+        lambda: train.token_logprobs(model, batch, temperature, chunk_tokens=7),
+    ):
         model.zero_grad()
         lp = logprobs()
         (lp * batch["mask"] * advantages[:, None]).sum().backward()
         results.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     (ref, ref_grad), (ours, our_grad) = results
     assert torch.allclose(ours, ref, atol=1e-5)
-    assert ref_grad.abs().max() > 0 and (our_grad - ref_grad).abs().max() < 1e-5 * ref_grad.abs().max(), (our_grad - ref_grad).abs().max()
+    assert (
+        ref_grad.abs().max() > 0 and (our_grad - ref_grad).abs().max() < 1e-5 * ref_grad.abs().max()
+    ), (our_grad - ref_grad).abs().max()
+
 
 def seqs_of(prompts, completions):
-    return [{"ids": p + c, "mask": [0] * len(p) + [1] * len(c), "logprobs": [None] * len(p) + [-1.0] * len(c)}
-            for p, c in zip(prompts, completions)]
+    return [
+        {
+            "ids": p + c,
+            "mask": [0] * len(p) + [1] * len(c),
+            "logprobs": [None] * len(p) + [-1.0] * len(c),
+        }
+        for p, c in zip(prompts, completions)
+    ]
+
 
 def trainer_gradient(model, seqs, advantages, **memory):
     """train.backward's summed gradient under the memory settings `memory`, per completion token."""
@@ -85,9 +119,12 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, _ = train.backward(model, seqs, advantages, torch.zeros(len(seqs), dtype=torch.long), cfg, pad_id=1)
+    tokens, _ = train.backward(
+        model, seqs, advantages, torch.zeros(len(seqs), dtype=torch.long), cfg, pad_id=1
+    )
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
+
 
 def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(model_path):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -95,15 +132,24 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     seqs = seqs_of(prompts, completions)
     whole = trainer_gradient(model, seqs, advantages)
     assert whole.abs().max() > 0
-    for memory in ({"train_micro_batch": 5}, {"train_micro_batch": 1}, {"gradient_checkpointing": True}):
-        assert torch.allclose(trainer_gradient(model, seqs, advantages, **memory), whole, atol=1e-6, rtol=1e-4), memory
-    bf16 = trainer_gradient(model, seqs, advantages, bf16=True, train_micro_batch=4)  # close, not equal
+    for memory in (
+        {"train_micro_batch": 5},
+        {"train_micro_batch": 1},
+        {"gradient_checkpointing": True},
+    ):
+        assert torch.allclose(
+            trainer_gradient(model, seqs, advantages, **memory), whole, atol=1e-6, rtol=1e-4
+        ), memory
+    # close, not equal
+    bf16 = trainer_gradient(model, seqs, advantages, bf16=True, train_micro_batch=4)
     assert not torch.equal(bf16, whole) and torch.cosine_similarity(bf16, whole, dim=0) > 0.99
+
 
 def test_loss_mask_excludes_prompt_and_padding():
     batch = train.make_batch([[5, 6, 7], [5]], [[8, 9], [8, 9, 10]], pad_id=1)  # second row padded
     # targets are input_ids[:, 1:]; the mask is 1 exactly where the target is a completion token
     assert batch["mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+
 
 def test_equal_rewards_give_zero_advantage_and_no_nan():
     rewards = torch.tensor([[1.0] * 8, [0.0] * 8, [0.0, 1.0] * 4])
@@ -112,34 +158,71 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
     assert adv[:2].abs().max() == 0
     assert adv[2].sum().abs() < 1e-5 and adv[2].abs().min() > 0.5
 
+
 def test_reward_reads_the_last_number():
     assert train.reward("7", "7") == 1.0 and train.reward("so 3+4 = 7", "7") == 1.0
-    assert train.reward("8", "7") == 0.0 and train.reward("", "7") == 0.0 and train.reward("7.5", "7") == 0.0
-    assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
+    assert (
+        train.reward("8", "7") == 0.0
+        and train.reward("", "7") == 0.0
+        and train.reward("7.5", "7") == 0.0
+    )
+    assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx(
+        [1, 2 / 3, 1 / 3, 0, 0]
+    )
+
 
 @pytest.mark.parametrize("schedule", ["overlap", "overlap-priority", "sync-batch"])
 def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, schedule):
     v0 = server.health()["version"]
-    cfg = train.Config(model=model_path, steps=3, prompts_per_step=8, micro_batches=4, group_size=4, out=str(tmp_path),
-                       schedule=schedule)
+    cfg = train.Config(
+        model=model_path,
+        steps=3,
+        prompts_per_step=8,
+        micro_batches=4,
+        group_size=4,
+        out=str(tmp_path),
+        schedule=schedule,
+    )
     history = train.train(cfg, server)  # raises if any sample's version differs from the step's
-    assert [h["version"] for h in history] == [v0 + 1, v0 + 2, v0 + 3]  # v0 + 1: the trainer's initial push
+    # v0 + 1: the trainer's initial push
+    assert [h["version"] for h in history] == [v0 + 1, v0 + 2, v0 + 3]
     assert server.health()["version"] == v0 + 4
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows)
+    assert all(
+        r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows
+    )
+
 
 def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
     out = tmp_path / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--model", model_path, "--steps", "3",
-                          "--prompts-per-step", "8", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "train.py"),
+            "--model",
+            model_path,
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(open(out / "metrics.jsonl").readlines()) == 3
     assert (out / "plot.png").stat().st_size > 10_000
     assert (out / "checkpoint" / "model.safetensors").exists()
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
+    ]
     assert leftovers == []
+
 
 def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, model_path):
     """The server reports the logprobs of the distribution it sampled from (temperature applied);
@@ -152,11 +235,13 @@ def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, mo
     results = server.generate(prompts, n=4, temperature=0.7, max_tokens=12, seed=5)
     prompt_ids = [tok(p).input_ids for p in prompts]
     completions = [c for r in results for c in r]
-    batch = train.make_batch([p for p in prompt_ids for _ in range(4)], [c.token_ids for c in completions], pad_id=1)
+    batch = train.make_batch(
+        [p for p in prompt_ids for _ in range(4)], [c.token_ids for c in completions], pad_id=1
+    )
     with torch.no_grad():
         ours = train.token_logprobs(model, batch, temperature=0.7)
-    # CPU fp32 on both sides agrees to 1e-4; a GPU server's fp32 kernels (TF32 matmuls, its attention)
-    # differ from the CPU recomputation by ~3e-3 (measured on an H200)
+    # CPU fp32 on both sides agrees to 1e-4; a GPU server's fp32 kernels (TF32 matmuls, its
+    # attention) differ from the CPU recomputation by ~3e-3 (measured on an H200)
     atol = 1e-2 if torch.cuda.is_available() else 1e-4
     for row, c in enumerate(completions):
         got = ours[row][batch["mask"][row] == 1]
@@ -165,20 +250,35 @@ def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, mo
         untempered = train.token_logprobs(model, batch)[0][batch["mask"][0] == 1]
     assert not torch.allclose(untempered, torch.tensor(completions[0].logprobs), atol=1e-2)
 
+
 def test_with_no_stale_samples_the_loss_is_the_plain_policy_gradient():
     g = torch.Generator().manual_seed(3)
     logprobs, old = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
     advantages, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
     loss, w = train.pg_loss(logprobs, old, advantages, mask, stale=torch.zeros(4, dtype=torch.bool))
-    assert loss == -(advantages[:, None] * logprobs * mask).sum() and (w == 1).all()  # exactly, bit for bit
+    # exactly, bit for bit
+    assert loss == -(advantages[:, None] * logprobs * mask).sum() and (w == 1).all()
+
 
 def test_stale_samples_get_truncated_importance_weights():
     logprobs = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -0.5], [-1.5, -0.5]])
-    loss, w = train.pg_loss(logprobs, old, torch.ones(2), torch.ones(2, 2), stale=torch.tensor([True, False]), is_cap=1.5)
-    assert torch.allclose(w, torch.tensor([[1.5, torch.exp(torch.tensor(-1.5)).item()], [1.0, 1.0]]))  # exp(0.5) capped at 1.5
+    loss, w = train.pg_loss(
+        logprobs,
+        old,
+        torch.ones(2),
+        torch.ones(2, 2),
+        stale=torch.tensor([True, False]),
+        is_cap=1.5,
+    )
+    # exp(0.5) capped at 1.5
+    assert torch.allclose(
+        w, torch.tensor([[1.5, torch.exp(torch.tensor(-1.5)).item()], [1.0, 1.0]])
+    )
     loss.backward()
-    assert torch.allclose(logprobs.grad, -w)  # the weights are constants: no gradient flows through them
+    # the weights are constants: no gradient flows through them
+    assert torch.allclose(logprobs.grad, -w)
+
 
 def test_a_request_with_min_version_waits_for_those_weights(server, model_path, restore_weights):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -187,18 +287,31 @@ def test_a_request_with_min_version_waits_for_those_weights(server, model_path, 
     held = server.generate(["later"], max_tokens=4, min_version=v0 + 1, is_async=True)
     with pytest.raises(ServerError) as not_yet:
         server.get_future(held.request_id, timeout=1)
-    assert not_yet.value.status == 408 and server.health()["in_flight"] == 0  # held before the engine, not generating
+    # held before the engine, not generating
+    assert not_yet.value.status == 408 and server.health()["in_flight"] == 0
     assert server.update_model_params(model) == v0 + 1
     [[c]] = held.result(timeout=60)
     assert c.version == v0 + 1 and held.timing["started"] >= held.timing["queued"]
     server.close_communicator()
 
-def test_one_step_of_staleness_is_corrected_and_logged(server, model_path, tmp_path, restore_weights):
-    cfg = train.Config(model=model_path, steps=4, prompts_per_step=8, micro_batches=2, group_size=4, out=str(tmp_path),
-                       max_staleness=1)
+
+def test_one_step_of_staleness_is_corrected_and_logged(
+    server, model_path, tmp_path, restore_weights
+):
+    cfg = train.Config(
+        model=model_path,
+        steps=4,
+        prompts_per_step=8,
+        micro_batches=2,
+        group_size=4,
+        out=str(tmp_path),
+        max_staleness=1,
+    )
     history = train.train(cfg, server)  # raises if any sample is more than one version old
-    assert [h["staleness"] for h in history] == [0, 1, 1, 1]  # step 0 samples the initial push's weights
+    # step 0 samples the initial push's weights
+    assert [h["staleness"] for h in history] == [0, 1, 1, 1]
     assert all(h["is_weight_mean"] > 0 and h["is_weight_max"] <= cfg.is_cap for h in history)
+
 
 def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
     from itertools import combinations
@@ -206,39 +319,79 @@ def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
     for n in range(1, 7):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                subsets = list(combinations([1] * c + [0] * (n - c), k))  # every way to pick k of the n samples
-                assert train.pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets)), (n, c, k)
+                # every way to pick k of the n samples
+                subsets = list(combinations([1] * c + [0] * (n - c), k))
+                assert train.pass_at_k(n, c, k) == pytest.approx(
+                    sum(map(any, subsets)) / len(subsets)
+                ), (n, c, k)
+
 
 def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server):
     prompts = ["1+1=", "hello", "What is 2*3?", "x", "42"]
-    alone = [server.generate([p], n=1, temperature=0.0, max_tokens=32)[0][0] for p in prompts]  # each prompt's greedy answer
+    # each prompt's greedy answer
+    alone = [server.generate([p], n=1, temperature=0.0, max_tokens=32)[0][0] for p in prompts]
     many = server.generate(prompts, n=16, temperature=1.0, max_tokens=32, seed=1)
     assert [len(group) for group in many] == [16] * len(prompts)
-    assert all(c.text and c.token_ids for group in many for c in group if c.finish_reason == "length")
+    assert all(
+        c.text and c.token_ids for group in many for c in group if c.finish_reason == "length"
+    )
     # exact grouping: greedy samples of each prompt are that prompt's own answer; each row's answer
     # is the last number its prompt's greedy answer wrote (rows whose answer wrote none cannot pass)
     numbers = [train.re.findall(r"-?\d+(?:\.\d+)?", c.text) for c in alone]
-    rows = [{"prompt": p, "answer": ns[-1] if ns else "no number"} for p, ns in zip(prompts, numbers)]
+    rows = [
+        {"prompt": p, "answer": ns[-1] if ns else "no number"} for p, ns in zip(prompts, numbers)
+    ]
     cfg = train.Config(model="m", temperature=0.0, max_tokens=32, eval_n=16)
     result = train.evaluate(server, rows, cfg)
     expected = sum(bool(ns) for ns in numbers) / len(rows)
-    assert expected > 0 and result["pass@1"] == pytest.approx(expected) and result["pass@16"] == pytest.approx(expected)
-    shifted = [{**row, "answer": rows[(i + 1) % len(rows)]["answer"]} for i, row in enumerate(rows)]  # someone else's answer
+    assert (
+        expected > 0
+        and result["pass@1"] == pytest.approx(expected)
+        and result["pass@16"] == pytest.approx(expected)
+    )
+    # someone else's answer
+    shifted = [{**row, "answer": rows[(i + 1) % len(rows)]["answer"]} for i, row in enumerate(rows)]
     assert train.evaluate(server, shifted, cfg)["pass@16"] < expected
+
 
 @pytest.mark.parametrize("task", ["calculator", "dataset"])
 def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task):
-    args = ["--eval-only", "--server-url", server.base_url, "--model", model_path, "--eval-n", "4", "--eval-prompts", "6",
-            "--out", str(tmp_path)]
+    args = [
+        "--eval-only",
+        "--server-url",
+        server.base_url,
+        "--model",
+        model_path,
+        "--eval-n",
+        "4",
+        "--eval-prompts",
+        "6",
+        "--out",
+        str(tmp_path),
+    ]
     if task == "dataset":
         with open(tmp_path / "data.jsonl", "w") as f:
             for i in range(10):
-                f.write(json.dumps({"prompt": f"{i}+0=", "answer": str(i), "task": "even" if i % 2 == 0 else "odd"}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": f"{i}+0=",
+                            "answer": str(i),
+                            "task": "even" if i % 2 == 0 else "odd",
+                        }
+                    )
+                    + "\n"
+                )
         args += ["--dataset", str(tmp_path / "data.jsonl")]
     else:
         args += ["--task", "calculator", "--max-tokens", "8", "--max-turns", "2"]
     result = train.main(args)
     tasks = ["calculator"] if task == "calculator" else ["even", "odd"]
-    assert set(result) == {f"{t}pass@{k}" for t in ["", *(t + "/" for t in tasks)] for k in (1, 2, 4)}
-    assert all(0 <= v <= 1 for v in result.values()) and result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    assert set(result) == {
+        f"{t}pass@{k}" for t in ["", *(t + "/" for t in tasks)] for k in (1, 2, 4)
+    }
+    assert (
+        all(0 <= v <= 1 for v in result.values())
+        and result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    )
     assert json.load(open(tmp_path / "eval.json")) == result

@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python -m pytest tests/test_weight_sync.py
 """
+
 import math
 import os
 import subprocess
@@ -19,16 +20,22 @@ from conftest import needs_cuda
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
+
 @pytest.fixture(scope="module")
 def hf(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), AutoTokenizer.from_pretrained(model_path)
+    return AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32
+    ), AutoTokenizer.from_pretrained(model_path)
+
 
 @pytest.fixture(params=["gloo", "ipc"] if torch.cuda.is_available() else ["gloo"])
 def trainer(server, request):
-    """The server with a trainer (this process) set up for weight sync over each transport it can use."""
+    """The server with a trainer (this process) set up for weight sync over each transport it can
+    use."""
     server.init_communicator(transport=request.param)
     yield server
     server.close_communicator()
+
 
 def perturbed(model, seed, scale=0.05):
     copy = AutoModelForCausalLM.from_config(model.config)
@@ -39,18 +46,23 @@ def perturbed(model, seed, scale=0.05):
             p.add_(torch.randn_like(p) * scale)
     return copy
 
+
 def hf_greedy(model, tokenizer, prompts, max_tokens=24):
     out = []
     for p in prompts:
         ids = tokenizer(p, return_tensors="pt").input_ids
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
-        out.append(gen[0, ids.shape[1]:].tolist())
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+            )
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out
+
 
 def server_greedy(client, prompts=PROMPTS, max_tokens=24):
     results = client.generate(prompts, temperature=0.0, max_tokens=max_tokens)
     return [r[0].token_ids for r in results], {r[0].version for r in results}
+
 
 def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf):
     model, tokenizer = hf
@@ -62,11 +74,14 @@ def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf
     assert trainer.update_model_params(new) == v0 + 1
     tokens, versions = server_greedy(trainer)
     assert versions == {v0 + 1} and trainer.health()["version"] == v0 + 1
-    assert tokens == hf_greedy(new, tokenizer, PROMPTS)  # would fail with a stale packed (tied) lm_head
+    # would fail with a stale packed (tied) lm_head
+    assert tokens == hf_greedy(new, tokenizer, PROMPTS)
     assert tokens != original
 
-    assert trainer.update_model_params(model.state_dict(), bucket_mb=1) == v0 + 2  # a state dict, several buckets
+    # a state dict, several buckets
+    assert trainer.update_model_params(model.state_dict(), bucket_mb=1) == v0 + 2
     assert server_greedy(trainer) == (original, {v0 + 2})
+
 
 def wait_for_status(client, status, timeout=30):
     deadline = time.monotonic() + timeout
@@ -74,11 +89,14 @@ def wait_for_status(client, status, timeout=30):
         assert time.monotonic() < deadline, f"server never reached status {status}"
         time.sleep(0.01)
 
+
 def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(trainer, hf):
     v0 = trainer.health()["version"]
     early = trainer.generate(["in flight"], n=4, max_tokens=1000, ignore_eos=True, is_async=True)
     update = {}
-    pusher = threading.Thread(target=lambda: update.setdefault("version", trainer.update_model_params(hf[0])))
+    pusher = threading.Thread(
+        target=lambda: update.setdefault("version", trainer.update_model_params(hf[0]))
+    )
     pusher.start()
     wait_for_status(trainer, "updating")  # the gate is closed: the update is draining `early`
     late = Client(trainer.base_url).generate(["during update"], n=4, max_tokens=8, is_async=True)
@@ -87,33 +105,49 @@ def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(
     assert {c.version for c in early.result()[0]} == {v0}
     assert {c.version for c in late.result()[0]} == {v0 + 1}
 
+
 def post(client, path, body):
     return requests.post(client.base_url + path, json=body, timeout=60)
 
-@pytest.mark.parametrize("param,word", [
-    ({"name": "no.such.weight", "dtype": "float32", "shape": [4], "offset": 0}, "unknown parameter"),
-    ({"name": "model.norm.weight", "dtype": "float32", "shape": [3, 3], "offset": 0}, "shape"),
-    ({"name": "model.norm.weight", "dtype": "bfloat16", "shape": [128], "offset": 0}, "dtype"),
-    ({"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 8}, "offset"),
-    ({"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 1024}, "does not fit"),
-])
+
+@pytest.mark.parametrize(
+    "param,word",
+    [
+        (
+            {"name": "no.such.weight", "dtype": "float32", "shape": [4], "offset": 0},
+            "unknown parameter",
+        ),
+        ({"name": "model.norm.weight", "dtype": "float32", "shape": [3, 3], "offset": 0}, "shape"),
+        ({"name": "model.norm.weight", "dtype": "bfloat16", "shape": [128], "offset": 0}, "dtype"),
+        ({"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 8}, "offset"),
+        (
+            {"name": "model.norm.weight", "dtype": "float32", "shape": [128], "offset": 1024},
+            "does not fit",
+        ),
+    ],
+)
 def test_bad_update_is_rejected_and_changes_nothing(trainer, param, word):
     before = server_greedy(trainer), trainer.health()["version"]
     r = post(trainer, "/update_weights", {"buckets": [{"size": 512, "params": [param]}]})
     assert r.status_code == 400 and word in r.json()["error"]
     assert (server_greedy(trainer), trainer.health()["version"]) == before
 
-@pytest.mark.parametrize("params,word", [
-    ({"bogus.weight": torch.zeros(2)}, "unknown parameter"),
-    ({"model.norm.weight": torch.zeros(3)}, "shape"),
-    ({"model.norm.weight": torch.zeros(128)}, "every parameter"),
-])
+
+@pytest.mark.parametrize(
+    "params,word",
+    [
+        ({"bogus.weight": torch.zeros(2)}, "unknown parameter"),
+        ({"model.norm.weight": torch.zeros(3)}, "shape"),
+        ({"model.norm.weight": torch.zeros(128)}, "every parameter"),
+    ],
+)
 def test_client_update_with_wrong_names_or_shapes_is_refused_before_sending(trainer, params, word):
     v0 = trainer.health()["version"]
     with pytest.raises(ServerError, match=word) as refused:
         trainer.update_model_params(params)
     assert refused.value.status == 400
     assert trainer.health()["version"] == v0 and trainer.health()["transport"] == trainer.transport
+
 
 DYING_TRAINER = """
 import os, sys, torch
@@ -122,23 +156,44 @@ from client import Client, broadcast, pack
 c = Client({url!r})
 c.init_communicator({transport!r}, device={device!r}, weight_sync_timeout=30)
 buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
-c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})  # phase 1: the server receives
-broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=c.device), 30)  # one of many, then die
+# phase 1: the server receives
+c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})
+# one of many, then die
+broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=c.device), 30)
 print("sent one bucket", flush=True)
 os._exit(1)
 """
 
-@pytest.mark.parametrize("transport,device", [("gloo", "cpu"), pytest.param("nccl", "cuda:1", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU"))])
-def test_trainer_dying_mid_update_leaves_server_serving_old_weights(server, hf, tmp_path, transport, device):
+
+@pytest.mark.parametrize(
+    "transport,device",
+    [
+        ("gloo", "cpu"),
+        pytest.param(
+            "nccl",
+            "cuda:1",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2,
+                reason="needs two GPUs: NCCL refuses two ranks on one GPU",
+            ),
+        ),
+    ],
+)
+def test_trainer_dying_mid_update_leaves_server_serving_old_weights(
+    server, hf, tmp_path, transport, device
+):
     model, _ = hf
     before = server_greedy(server)
     v0 = server.health()["version"]
     weights = tmp_path / "weights.pt"
     torch.save(perturbed(model, seed=2).state_dict(), weights)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = DYING_TRAINER.format(root=root, url=server.base_url, weights=str(weights), transport=transport, device=device)
-    dying = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    script = DYING_TRAINER.format(
+        root=root, url=server.base_url, weights=str(weights), transport=transport, device=device
+    )
+    dying = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert "sent one bucket" in dying.stdout, dying.stderr[-2000:]
     start = time.monotonic()
     assert server_greedy(server) == (before[0], {v0})  # waits at the gate until the update failed
@@ -152,14 +207,28 @@ def test_trainer_dying_mid_update_leaves_server_serving_old_weights(server, hf, 
     finally:
         server.close_communicator()
 
+
 def test_close_then_init_again(server, hf):
     v0 = server.health()["version"]
     for i in range(2):
         server.init_communicator()
         assert server.update_model_params(hf[0]) == v0 + i + 1
         server.close_communicator()
-    r = post(server, "/update_weights", {"buckets": [{"size": 512, "params": [
-        {"name": n, "dtype": "float32", "shape": shape, "offset": 0} for n, shape in list(server.spec.items())[:1]]}]})
+    r = post(
+        server,
+        "/update_weights",
+        {
+            "buckets": [
+                {
+                    "size": 512,
+                    "params": [
+                        {"name": n, "dtype": "float32", "shape": shape, "offset": 0}
+                        for n, shape in list(server.spec.items())[:1]
+                    ],
+                }
+            ]
+        },
+    )
     assert r.status_code == 400  # an update must carry every parameter
     params, offset = [], 0
     for n, shape in server.spec.items():
@@ -169,9 +238,11 @@ def test_close_then_init_again(server, hf):
     r = post(server, "/update_weights", {"buckets": full})
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
 
+
 NO_VLLM_TRAINER = """
 import sys
-sys.modules["vllm"] = None  # from here on `import vllm` raises ImportError, as on a trainer machine without it
+# from here on `import vllm` raises ImportError, as on a trainer machine without it
+sys.modules["vllm"] = None
 sys.path.insert(0, {root!r})
 import torch
 from transformers import AutoModelForCausalLM
@@ -187,6 +258,7 @@ print("version", c.update_model_params(AutoModelForCausalLM.from_pretrained({pat
 c.close_communicator()
 """
 
+
 def test_a_trainer_without_vllm_pushes_weights(server, hf, tmp_path, restore_weights):
     model, tokenizer = hf
     new = perturbed(model, seed=3)
@@ -194,23 +266,35 @@ def test_a_trainer_without_vllm_pushes_weights(server, hf, tmp_path, restore_wei
     v0 = server.health()["version"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = NO_VLLM_TRAINER.format(root=root, url=server.base_url, path=str(tmp_path / "new"))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"version {v0 + 1}" in run.stdout
     assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
 
-@pytest.mark.parametrize("body,word", [
-    ({"transport": "pigeon"}, "transport"),
-    ({"transport": "gloo", "host": "127.0.0.1", "world_size": 7}, "world_size"),
-    ({"transport": "gloo", "world_size": 2}, "host"),
-    ({"transport": "ipc", "gpu": "GPU-not-this-one"}, "ipc"),
-    ({"transport": "nccl", "host": "127.0.0.1", "world_size": 2} if not torch.cuda.is_available() else {"transport": "nccl"}, ""),
-])
+
+@pytest.mark.parametrize(
+    "body,word",
+    [
+        ({"transport": "pigeon"}, "transport"),
+        ({"transport": "gloo", "host": "127.0.0.1", "world_size": 7}, "world_size"),
+        ({"transport": "gloo", "world_size": 2}, "host"),
+        ({"transport": "ipc", "gpu": "GPU-not-this-one"}, "ipc"),
+        (
+            {"transport": "nccl", "host": "127.0.0.1", "world_size": 2}
+            if not torch.cuda.is_available()
+            else {"transport": "nccl"},
+            "",
+        ),
+    ],
+)
 def test_a_transport_the_server_cannot_follow_is_refused(server, body, word):
     r = post(server, "/init_communicator", body)
     assert r.status_code == 400 and word in r.json()["error"]
     assert server.health()["transport"] is None
     assert server.generate(["still serving"], max_tokens=4)[0][0].finish_reason is not None
+
 
 @needs_cuda
 def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
@@ -224,7 +308,10 @@ def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
     finally:
         server.close_communicator()
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU")
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU"
+)
 def test_nccl_update_from_a_trainer_on_another_gpu(server, hf):
     model, tokenizer = hf
     new = perturbed(model, seed=4)
