@@ -1,0 +1,760 @@
+"""TRL against train.py on the same GPUs: one GRPO workload, seconds per step side by side.
+
+    # two H200s, the 0.5B-shaped model, every layout (~8 minutes; TRL's wheels: see below)
+    python3 bench/trl_gpu.py --out $OUT/trl-gpu
+    # longer completions, or the 1.5B-shaped model, if the time allows
+    python3 bench/trl_gpu.py --max-tokens 1024 --layouts ours,trl-server
+    python3 bench/trl_gpu.py --model-size 1.5b
+    # CPU: the same code on a tiny model (train.py's side; TRL's too where it is installed)
+    .venv/bin/python bench/trl_gpu.py --smoke
+
+The workload, the same on every side: a random-weight Qwen2 of Qwen2.5-0.5B's shape (896 hidden, 24
+layers, 14 heads, 2 KV heads, 4864 intermediate, 151,936 vocabulary, tied; or 1.5B's) saved once in
+bf16 under --work, with a character-level tokenizer padded to the full vocabulary (every id a random
+model samples decodes); the same prompts ("user: Problem 7: compute 37*8+12. ...\\nassistant: ",
+about 90 tokens) and reward (train.reward: 1 if the last number is the answer); --prompts-per-step
+prompts x --group-size 8 completions of up to --max-tokens tokens (the untrained model runs to the
+limit: the worst case for a synchronous loop's tail), trained in --micro-batches micro-batches;
+fp32 master weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one optimizer step per
+batch, no KL (beta = 0), the loss summed over tokens and divided once by the step's completion
+tokens (TRL's loss_type "dapo"); every vLLM engine with --gpu-memory-utilization, --max-model-len,
+max_num_seqs = one step's sequences, CUDA graphs (unless --enforce-eager).
+
+The layouts, each in its own process (a failure is printed, exactly, and the next one runs):
+  ours          one server.py on GPU 0 for all of these; train.train in the child:
+                2 GPUs: trainer on cuda:1, weights over NCCL; 1 GPU: trainer on cuda:0, CUDA IPC;
+                each with sync-batch, overlap and overlap --max-staleness 1, and any --ours-variant
+  trl-server    `trl vllm-serve` (vLLM's own server, NCCL weight transfer) on GPU 0, GRPOTrainer on
+                GPU 1 (CUDA_VISIBLE_DEVICES=1,0: the other GPU stays visible, as for ours)
+  trl-colocate  GRPOTrainer with vLLM in its own process, on GPU 0 alone
+  trl-async     `trl vllm-serve` on GPU 0, trl.experimental.async_grpo's AsyncGRPOTrainer on GPU 1,
+                --trl-async-max-staleness (TRL's default: 4), token_budget 0 (fixed micro-batches).
+                Its tree attention fetches the FlashAttention-3 kernel from the Hub at run time;
+                without `kernels` the bench swaps in PyTorch SDPA (one segment at a time): said so.
+TRL's vLLM importance-sampling correction (an extra forward per step) is off unless
+--trl-is-correction: our on-policy loss has none.
+
+Printed: per side, layout and schedule the median seconds per step after --warmup steps,
+samples/s, where the time went (ours: generation span, training, sync, idle; TRL: its vLLM
+generate and weight-sync calls, the rest), then the speed-up of each of ours over each TRL layout
+(TRL s/step / ours s/step) and the issue's goals. The whole run keeps to --budget-s: a layout that
+would start after it is skipped, one that runs past it is stopped, and either is said.
+TRL's wheels (trl 1.16.0, datasets, dill, multiprocess and what `vllm serve` needs beyond the
+GPU kit): bench/requirements-trl.txt.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Qwen2.5's shapes (tied embeddings); "tiny" is for --smoke on a CPU
+SIZES = {
+    "0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+    ),
+}
+# engine.tiny_model's template: "user: Q\nassistant: " (TRL's async trainer only takes messages)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# train.Config overrides per schedule of ours; --ours-variant adds more (in-flight updates, ...)
+OURS_VARIANTS = {
+    "sync-batch": {"schedule": "sync-batch"},
+    "overlap": {"schedule": "overlap"},
+    "overlap K=1": {"schedule": "overlap", "max_staleness": 1},
+}
+# the order they run in, the GPUs each child sees (None: all), and seconds each may take at most
+LAYOUTS = {
+    "ours": (None, 270),
+    "trl-server": ("1,0", 170),
+    "trl-colocate": ("0", 140),
+    "trl-async": ("1,0", 170),
+    "trl-hf": (None, 600),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-size", choices=["0.5b", "1.5b"], default="0.5b")
+    p.add_argument("--max-tokens", type=int, default=256, help="completion length limit")
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="per step: ours' N, TRL's gradient_accumulation_steps",
+    )
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="every vLLM engine's")
+    p.add_argument("--max-model-len", type=int, default=2048, help="every vLLM engine's")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any engine")
+    p.add_argument(
+        "--layouts",
+        default="ours,trl-server,trl-colocate,trl-async",
+        help=f"comma-separated, run in this order; of {list(LAYOUTS)} (trl-hf: TRL without vLLM)",
+    )
+    p.add_argument(
+        "--ours-variants",
+        default=",".join(OURS_VARIANTS),
+        help="comma-separated schedules of ours to run",
+    )
+    p.add_argument(
+        "--ours-variant",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE,...",
+        help="one more schedule of ours, train.Config fields: e.g. 'in-flight:schedule=in-flight'",
+    )
+    p.add_argument("--trl-is-correction", action="store_true", help="TRL's vLLM IS correction on")
+    p.add_argument("--trl-async-max-staleness", type=int, default=1)
+    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all layouts")
+    p.add_argument("--work", default="/tmp/trl-gpu-bench", help="model, data, checkpoints")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "trl-gpu"), help="logs")
+    p.add_argument("--smoke", action="store_true", help="CPU check: tiny model, 3 short steps")
+    p.add_argument("--layout", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.model_size, a.steps, a.warmup, a.max_tokens = "tiny", 3, 1, 16
+        a.prompts_per_step, a.micro_batches, a.budget_s = 4, 2, 3600.0
+    if a.prompts_per_step % a.micro_batches:
+        p.error("--prompts-per-step must be divisible by --micro-batches")
+    return a
+
+
+# -- the shared model and data ---------------------------------------------------------------------
+def build_tokenizer(vocab_size):
+    """One token per printable character, then filler tokens "<t123>" up to the model's vocabulary:
+    a random-weight model samples any id, and every one must decode, on both sides."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
+    tokens = chars + [f"<t{i}>" for i in range(len(chars), vocab_size)]
+    # no merges: text encodes character by character; the fillers are only ever decoded
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(a):
+    """The folder every side loads: a random Qwen2 of --model-size, bf16 (float32 for --smoke)."""
+    path = os.path.join(a.work, f"qwen2-{a.model_size}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dtype = "float32" if a.smoke else "bfloat16"
+    config = Qwen2Config(
+        **SIZES[a.model_size],
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        dtype=dtype,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    # atomically: a half-written folder is never found
+    tmp = f"{path}.tmp{os.getpid()}"
+    for part in (model, build_tokenizer(config.vocab_size)):
+        part.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def build_data(a, rows=2000):
+    """prompts.jsonl: {question, prompt (the question as the chat template renders it), answer}."""
+    path = os.path.join(a.work, "prompts.jsonl")
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(rows):
+            x, y, z = rng.randrange(10, 100), rng.randrange(2, 10), rng.randrange(100)
+            question = f"Problem {i}: compute {x}*{y}+{z}. Show the steps, then give the number."
+            prompt = f"user: {question}\nassistant: "
+            row = {"question": question, "prompt": prompt, "answer": str(x * y + z)}
+            print(json.dumps(row), file=f)
+    return path
+
+
+def seqs_per_micro_batch(a):
+    return a.prompts_per_step // a.micro_batches * a.group_size
+
+
+# -- the children: each layout runs in its own process and prints RESULT / FAILED lines ------------
+def emit(kind, **fields):
+    print(f"{kind} {json.dumps(fields)}", flush=True)
+
+
+@contextlib.contextmanager
+def reported(side, layout, name):
+    """Run one configuration; if it fails, print exactly what failed and carry on."""
+    try:
+        yield
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        emit(
+            "FAILED",
+            side=side,
+            layout=layout,
+            name=name,
+            error=f"{type(e).__name__}: {e}"[:2000],
+            where=f"{tb.filename}:{tb.lineno} ({tb.name})",
+        )
+        traceback.print_exc()
+
+
+def ours_variants(a):
+    """{name: train.Config overrides}: the chosen OURS_VARIANTS and every --ours-variant, whose
+    values take the type of the Config field they set."""
+    import train
+
+    chosen = [n.strip() for n in a.ours_variants.split(",") if n.strip()]
+    variants = {n: OURS_VARIANTS[n] for n in chosen}
+    types = {f.name: type(f.default) for f in dataclasses.fields(train.Config)}
+    for spec in a.ours_variant:
+        name, _, assignments = spec.partition(":")
+        overrides = {}
+        for assignment in filter(None, assignments.split(",")):
+            key, _, value = assignment.partition("=")
+            kind = types[key.strip()]
+            overrides[key.strip()] = value.strip() in ("1", "true") if kind is bool else kind(value)
+        variants[name] = overrides
+    return variants
+
+
+def run_ours(a, model, data):
+    """One server.py on GPU 0 (or the CPU); train.train against it for every layout and schedule."""
+    import torch
+
+    import train
+    from client import launch_server, stop_server
+
+    gpus = torch.cuda.device_count()
+    layouts = [("2 GPUs", "cuda:1"), ("1 GPU", "cuda:0")] if gpus > 1 else [("1 GPU", "cuda:0")]
+    layouts = layouts if gpus else [("CPU", "cpu")]
+    flags = ["--model", model, "--dtype", "bfloat16" if gpus else "float32", "--seed", "0"]
+    flags += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    flags += ["--max-num-seqs", str(a.prompts_per_step * a.group_size)]
+    flags += ["--max-model-len", str(a.max_model_len)] + ["--enforce-eager"] * a.enforce_eager
+    log = os.path.join(a.out, "ours-server.log")
+    proc, client = launch_server(*flags, log_path=log, timeout=300)
+    print(f"server.py {' '.join(flags)}; decodes {client.health()['max_num_seqs']} at once")
+    try:
+        for layout, device in layouts:
+            for name, overrides in ours_variants(a).items():
+                with reported("ours", layout, name):
+                    if gpus:
+                        torch.cuda.set_device(device)
+                    cfg = ours_config(a, model, data, device, name, overrides)
+                    history = train.train(cfg, client)
+                    emit_ours(a, cfg, layout, name, history)
+                if gpus:
+                    torch.cuda.empty_cache()
+    finally:
+        stop_server(proc)
+
+
+def ours_config(a, model, data, device, name, overrides):
+    import train
+
+    return train.Config(
+        model=model,
+        dataset=data,
+        out=os.path.join(a.work, "ours", re.sub(r"\W+", "-", f"{device}-{name}")),
+        steps=a.steps,
+        prompts_per_step=a.prompts_per_step,
+        micro_batches=a.micro_batches,
+        group_size=a.group_size,
+        max_tokens=a.max_tokens,
+        lr=a.lr,
+        dtype="bfloat16" if device != "cpu" else "float32",
+        device=device,
+        bf16=device != "cpu",
+        gradient_checkpointing=True,
+        **overrides,
+    )
+
+
+def emit_ours(a, cfg, layout, name, history):
+    """RESULT for one run of ours: step seconds, and the medians of where the time went."""
+    rows = history[a.warmup :]
+    parts = {k: statistics.median(h[f"{k}_s"] for h in rows) for k in ("gen", "train", "sync")}
+    parts["idle"] = statistics.median(h["idle_s"] for h in rows)
+    transport = {"cpu": "gloo", "cuda:0": "CUDA IPC"}.get(cfg.device, "NCCL")
+    emit(
+        "RESULT",
+        side="ours",
+        layout=layout,
+        name=name,
+        step_s=[h["step_s"] for h in history],
+        parts=parts,
+        setup=f"train.py schedule={cfg.schedule} max_staleness={cfg.max_staleness} "
+        f"N={cfg.micro_batches}, trainer on {cfg.device}, weights over {transport}, "
+        f"server.py on {'the CPU' if cfg.device == 'cpu' else 'GPU 0'}",
+    )
+
+
+# -- TRL's side ------------------------------------------------------------------------------------
+def reward_last_number(completions, answer, **kwargs):
+    """train.reward for TRL: 1 if a completion's last number is the answer. A conversational
+    completion (the async trainer's) is a list of messages."""
+    import train
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [train.reward(t, x) for t, x in zip(texts, answer)]
+
+
+def trl_dataset(data, conversational=False):
+    from datasets import Dataset
+
+    with open(data) as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        question = row.pop("question")
+        if conversational:
+            row["prompt"] = [{"role": "user", "content": question}]
+    return Dataset.from_list(rows)
+
+
+def step_timer(totals):
+    """A TrainerCallback that records, per optimizer step, its seconds and `totals` (seconds spent
+    in the calls time_calls wraps), then zeroes `totals`."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.steps.append({"step": now - self.last, **totals})
+            self.last = now
+            totals.update(dict.fromkeys(totals, 0.0))
+
+    return StepTimer()
+
+
+def time_calls(obj, method, totals, key):
+    """Wrap obj.method so that its seconds add up in totals[key]."""
+    inner = getattr(obj, method)
+    totals[key] = 0.0
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    setattr(obj, method, timed)
+
+
+def grpo_config(a, out, **vllm):
+    """GRPOConfig for the workload; `vllm`: the vLLM fields of the layout."""
+    import torch
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out,
+        max_steps=a.steps,
+        learning_rate=a.lr,
+        per_device_train_batch_size=seqs_per_micro_batch(a),
+        gradient_accumulation_steps=a.micro_batches,
+        num_generations=a.group_size,
+        max_completion_length=a.max_tokens,
+        temperature=1.0,
+        # token-level: summed over tokens, divided once by the step's completion tokens
+        loss_type="dapo",
+        beta=0.0,
+        vllm_importance_sampling_correction=a.trl_is_correction,
+        bf16=torch.cuda.is_available(),
+        gradient_checkpointing=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        **vllm,
+    )
+
+
+def run_trl_grpo(a, model, data, layout, **vllm):
+    """GRPOTrainer on the workload, its vLLM generate and weight-sync calls timed."""
+    from trl import GRPOTrainer
+
+    totals = {}
+    cfg = grpo_config(a, os.path.join(a.work, layout), **vllm)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward_last_number, args=cfg, train_dataset=trl_dataset(data)
+    )
+    if cfg.use_vllm:
+        time_calls(trainer.vllm_generation, "generate", totals, "gen")
+        time_calls(trainer.vllm_generation, "sync_weights", totals, "sync")
+    timer = step_timer(totals)
+    trainer.add_callback(timer)
+    trainer.train()
+    return timer.steps
+
+
+def emit_trl(a, layout, name, steps, setup, parts=None):
+    rows = steps[a.warmup :]
+    if parts is None and rows and "gen" in rows[0]:
+        parts = {k: statistics.median(s[k] for s in rows) for k in ("gen", "sync")}
+        parts["rest"] = statistics.median(s["step"] - s["gen"] - s["sync"] for s in rows)
+    emit(
+        "RESULT",
+        side="TRL",
+        layout=layout,
+        name=name,
+        step_s=[s["step"] for s in steps],
+        parts=parts or {},
+        setup=setup,
+    )
+
+
+def trl_versions():
+    import trl
+    import vllm
+
+    return f"trl {trl.__version__}, vllm {vllm.__version__}"
+
+
+def run_trl_colocate(a, model, data):
+    extra = {"vllm_max_model_length": a.max_model_len}
+    steps = run_trl_grpo(
+        a,
+        model,
+        data,
+        "trl-colocate",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=a.gpu_memory_utilization,
+        **extra,
+    )
+    setup = (
+        f"GRPOTrainer, vllm_mode=colocate, one process on GPU 0 ({trl_versions()}); "
+        f"IS correction {a.trl_is_correction}; CUDA graphs always (TRL has no eager switch)"
+    )
+    emit_trl(a, "1 GPU", "TRL colocate", steps, setup)
+
+
+def run_trl_hf(a, model, data):
+    """TRL without vLLM (transformers' generate): the --smoke check of TRL's side on a CPU."""
+    steps = run_trl_grpo(a, model, data, "trl-hf", use_vllm=False)
+    emit_trl(a, "CPU", "TRL, no vLLM", steps, "GRPOTrainer, use_vllm=False")
+
+
+# -- `trl vllm-serve` for the server and async layouts ---------------------------------------------
+@contextlib.contextmanager
+def trl_vllm_serve(a, model):
+    """`trl vllm-serve` (it execs vLLM's own server with TRL's flags) on GPU 0, with every GPU
+    visible as for server.py; yields its URL once /health answers."""
+    import requests
+
+    from client import free_port, stop_server
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "trl.scripts.vllm_serve", "--model", model, "--port", str(port)]
+    cmd += ["--gpu_memory_utilization", str(a.gpu_memory_utilization), "--dtype", "bfloat16"]
+    cmd += ["--max_model_len", str(a.max_model_len)] + ["--enforce_eager"] * a.enforce_eager
+    # unknown to trl vllm-serve: passed on to vllm serve
+    cmd += ["--max-num-seqs", str(a.prompts_per_step * a.group_size)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    log_path = os.path.join(a.out, f"{a.layout}-vllm-serve.log")
+    print(" ".join(cmd), flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"trl vllm-serve exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trl vllm-serve did not answer in 300 s; see {log_path}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        yield url
+    finally:
+        stop_server(proc)
+
+
+def run_trl_server(a, model, data):
+    from client import free_port
+
+    with trl_vllm_serve(a, model) as url:
+        steps = run_trl_grpo(
+            a,
+            model,
+            data,
+            "trl-server",
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=url,
+            vllm_group_port=free_port(),
+        )
+    setup = (
+        f"GRPOTrainer, vllm_mode=server: trl vllm-serve on GPU 0, trainer on GPU 1, NCCL "
+        f"({trl_versions()}); IS correction {a.trl_is_correction}"
+    )
+    emit_trl(a, "2 GPUs", "TRL server", steps, setup)
+
+
+def sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=None, **_):
+    """flash_attn_varlen_func's contract (causal) on PyTorch's SDPA, one segment at a time: q
+    (total_q, H, D), k and v (total_k, H_kv, D). Causal is aligned to the bottom right, as in
+    FlashAttention: a segment's queries are the last of its keys."""
+    import torch
+    import torch.nn.functional as F
+
+    out, bounds_q, bounds_k = [], cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
+        # (1, H, L, D), the KV heads repeated for the query heads
+        qi = q[q0:q1].transpose(0, 1)[None]
+        ki, vi = (x[k0:k1].repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+        ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
+        rows, cols = torch.arange(q1 - q0, device=q.device), torch.arange(k1 - k0, device=q.device)
+        mask = cols[None, :] <= rows[:, None] + (k1 - k0) - (q1 - q0)
+        attended = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
+        out.append(attended[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def tree_attention_kernel():
+    """The async trainer's attention: TRL's (FlashAttention-3 from the Hub through `kernels`) if
+    that package is here, else sdpa_varlen in its place. Returns which."""
+    import importlib.util
+    import types
+
+    from trl.experimental.async_grpo import packing
+
+    if importlib.util.find_spec("kernels") is not None:
+        return "FlashAttention-3 (kernels)"
+    # packing.tree_attention looks the function up at every call
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=sdpa_varlen)
+    return "PyTorch SDPA per segment (stand-in: no `kernels` package, no Hub)"
+
+
+def run_trl_async(a, model, data):
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    attention = tree_attention_kernel()
+    with trl_vllm_serve(a, model) as url:
+        cfg = AsyncGRPOConfig(
+            output_dir=os.path.join(a.work, "trl-async"),
+            max_steps=a.steps,
+            learning_rate=a.lr,
+            per_device_train_batch_size=seqs_per_micro_batch(a),
+            gradient_accumulation_steps=a.micro_batches,
+            num_generations=a.group_size,
+            max_completion_length=a.max_tokens,
+            temperature=1.0,
+            vllm_server_base_url=url,
+            max_staleness=a.trl_async_max_staleness,
+            # a fixed per_device_train_batch_size per micro-batch, as everywhere else
+            token_budget=0,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            seed=0,
+        )
+        trainer = AsyncGRPOTrainer(
+            model=model,
+            reward_funcs=reward_last_number,
+            args=cfg,
+            train_dataset=trl_dataset(data, conversational=True),
+        )
+        timer = step_timer({})
+        trainer.add_callback(timer)
+        trainer.train()
+    setup = (
+        f"AsyncGRPOTrainer: trl vllm-serve on GPU 0, trainer on GPU 1, NCCL ({trl_versions()}); "
+        f"max_staleness={a.trl_async_max_staleness}; tree attention: {attention}"
+    )
+    emit_trl(a, "2 GPUs", "TRL async", timer.steps, setup, async_parts(a, trainer))
+
+
+def async_parts(a, trainer):
+    """Where the async trainer's steps went, from its own logged metrics (medians after warm-up)."""
+    logs = [h for h in trainer.state.log_history if "perf/fwd_bwd_s" in h][a.warmup :]
+    keys = {"fwd_bwd": "perf/fwd_bwd_s", "optimizer": "perf/optimizer_s"}
+    keys["rollout_wait"] = "perf/rollout_wait_s"
+    return {
+        k: statistics.median(h[v] for h in logs) for k, v in keys.items() if logs and v in logs[0]
+    }
+
+
+RUNNERS = {
+    "ours": run_ours,
+    "trl-server": run_trl_server,
+    "trl-colocate": run_trl_colocate,
+    "trl-async": run_trl_async,
+    "trl-hf": run_trl_hf,
+}
+
+
+def child(a):
+    """One layout, in this process (started by main with --layout)."""
+    model, data = (
+        os.path.join(a.work, f"qwen2-{a.model_size}"),
+        os.path.join(a.work, "prompts.jsonl"),
+    )
+    side = "ours" if a.layout == "ours" else "TRL"
+    with reported(side, a.layout, "(the whole layout)"):
+        RUNNERS[a.layout](a, model, data)
+
+
+# -- the parent: build once, run each layout in a child within the budget, compare ----------------
+def run_layout(a, name, deadline, argv):
+    """Run one layout's child with its GPUs and time limit; return its RESULT and FAILED lines.
+    Its whole output goes to --out/NAME.log; on a failure the tail is printed here."""
+    gpus, cap = LAYOUTS[name]
+    left = deadline - time.monotonic()
+    if left < 30:
+        print(f"\n[{name}] skipped: {left:.0f} s of --budget-s left", flush=True)
+        return []
+    env = dict(os.environ)
+    if gpus is not None and not a.smoke:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    log_path, limit = os.path.join(a.out, f"{name}.log"), min(cap * (4 if a.smoke else 1), left)
+    print(f"\n[{name}] CUDA_VISIBLE_DEVICES={gpus or 'all'}, up to {limit:.0f} s", flush=True)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        # a session of its own: a timeout stops the servers it started too
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *argv, "--layout", name],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            print(f"[{name}] stopped after {limit:.0f} s (its time limit or the budget)")
+    with open(log_path) as f:
+        lines = f.read().splitlines()
+    found = [json.loads(x.split(" ", 1)[1]) | {"kind": x.split()[0]} for x in lines if is_report(x)]
+    for r in found:
+        print(f"[{name}] {r['kind']} {r['layout']} / {r['name']}: {r.get('error', 'ok')}")
+    if proc.returncode or any(r["kind"] == "FAILED" for r in found):
+        print(f"[{name}] exit code {proc.returncode}; the last lines of {log_path}:")
+        print("\n".join("    " + x[:300] for x in lines[-25:]))
+    print(f"[{name}] {time.monotonic() - start:.0f} s", flush=True)
+    return [r for r in found if r["kind"] == "RESULT"]
+
+
+def is_report(line):
+    return line.startswith("RESULT {") or line.startswith("FAILED {")
+
+
+def summarize(a, results):
+    """The table of every run, the speed-ups of ours over each TRL layout, and the goals."""
+    samples = a.prompts_per_step * a.group_size
+    for r in results:
+        r["s"] = statistics.median(r["step_s"][a.warmup :] or r["step_s"])
+    print(
+        f"\nmedian seconds per step after {a.warmup} warm-up steps; {a.prompts_per_step} prompts "
+        f"x {a.group_size} x <= {a.max_tokens} tokens = {samples} samples per step"
+    )
+    print(
+        f"{'side':<5} {'layout':<7} {'run':<14} {'s/step':>7} {'samples/s':>9}  where the time went"
+    )
+    for r in results:
+        parts = " ".join(f"{k}={v:.2f}" for k, v in r["parts"].items())
+        print(
+            f"{r['side']:<5} {r['layout']:<7} {r['name']:<14} {r['s']:7.2f} "
+            f"{samples / r['s']:9.1f}  {parts}"
+        )
+    trl = [r for r in results if r["side"] == "TRL"]
+    ours = [r for r in results if r["side"] == "ours"]
+    for r in ours:
+        ratios = " ".join(f"vs {t['name']} {t['s'] / r['s']:.2f}x" for t in trl)
+        print(f"speed-up of ours {r['layout']} {r['name']}: {ratios or '(no TRL result)'}")
+    goals = [("2 GPUs", "TRL server", 1.5), ("2 GPUs", "TRL async", 1.0)]
+    for layout, name, goal in goals + [("1 GPU", "TRL colocate", 1.3)]:
+        best = min((r["s"] for r in ours if r["layout"] == layout), default=None)
+        theirs = next((t["s"] for t in trl if t["name"] == name), None)
+        got = f"{theirs / best:.2f}x" if best and theirs else "not measured"
+        print(f"goal: ours (best, {layout}) >= {goal}x {name}: {got}")
+    print("setups:")
+    for r in results:
+        print(f"  {r['side']} {r['layout']} {r['name']}: {r['setup']}")
+
+
+def main():
+    argv = sys.argv[1:]
+    a = parse_args(argv)
+    if a.layout:
+        return child(a)
+    os.makedirs(a.work, exist_ok=True)
+    os.makedirs(a.out, exist_ok=True)
+    deadline = time.monotonic() + a.budget_s
+    import torch
+
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    print(f"GPUs: {names or 'none'}; python {sys.version.split()[0]}, torch {torch.__version__}")
+    start = time.monotonic()
+    model, data = build_model(a), build_data(a)
+    print(f"model {model} ({a.model_size}), data {data}: built in {time.monotonic() - start:.0f} s")
+    print(json.dumps(vars(a)), flush=True)
+    layouts = [n.strip() for n in a.layouts.split(",") if n.strip()]
+    if len(names) < 2 and not a.smoke:
+        layouts = [n for n in layouts if n in ("ours", "trl-colocate")]
+        print(f"fewer than 2 GPUs: only {layouts}, and ours on 1 GPU")
+    results = [r for name in layouts for r in run_layout(a, name, deadline, argv)]
+    summarize(a, results)
+
+
+if __name__ == "__main__":
+    main()
