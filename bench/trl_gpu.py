@@ -11,7 +11,7 @@
 The workload, the same on every side: a random-weight Qwen2 of Qwen2.5-0.5B's shape (896 hidden, 24
 layers, 14 heads, 2 KV heads, 4864 intermediate, 151,936 vocabulary, tied; or 1.5B's) saved once in
 bf16 under --work, with a character-level tokenizer padded to the full vocabulary (every id a random
-model samples decodes); the same prompts ("user: Problem 7: compute 37*8+12. ...\\nassistant: ",
+model samples decodes); the same prompts ("user: Problem 7: compute 37*8+12. ...assistant: ",
 about 90 tokens) and reward (train.reward: 1 if the last number is the answer); --prompts-per-step
 prompts x --group-size 8 completions of up to --max-tokens tokens (the untrained model runs to the
 limit: the worst case for a synchronous loop's tail), trained in --micro-batches micro-batches;
@@ -50,6 +50,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -93,11 +94,12 @@ CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-# train.Config overrides per schedule of ours; --ours-variant adds more (in-flight updates, ...)
+# train.Config overrides per schedule of ours, the likely fastest first (a run cut short by its
+# time limit loses the last); --ours-variant adds more (in-flight updates, ...)
 OURS_VARIANTS = {
-    "sync-batch": {"schedule": "sync-batch"},
-    "overlap": {"schedule": "overlap"},
     "overlap K=1": {"schedule": "overlap", "max_staleness": 1},
+    "overlap": {"schedule": "overlap"},
+    "sync-batch": {"schedule": "sync-batch"},
 }
 # the order they run in, the GPUs each child sees (None: all), and seconds each may take at most
 LAYOUTS = {
@@ -207,17 +209,24 @@ def build_model(a):
     return path
 
 
-def build_data(a, rows=2000):
-    """prompts.jsonl: {question, prompt (the question as the chat template renders it), answer}."""
+def build_data(a, model, rows=2000):
+    """prompts.jsonl: {question, prompt (the question as the model's chat template renders it, for
+    the sides that take text), answer}: every side's prompt has the same tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer, rng = AutoTokenizer.from_pretrained(model), random.Random(0)
     path = os.path.join(a.work, "prompts.jsonl")
-    rng = random.Random(0)
     with open(path, "w") as f:
         for i in range(rows):
             x, y, z = rng.randrange(10, 100), rng.randrange(2, 10), rng.randrange(100)
             question = f"Problem {i}: compute {x}*{y}+{z}. Show the steps, then give the number."
-            prompt = f"user: {question}\nassistant: "
-            row = {"question": question, "prompt": prompt, "answer": str(x * y + z)}
-            print(json.dumps(row), file=f)
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+            )
+            print(
+                json.dumps({"question": question, "prompt": prompt, "answer": str(x * y + z)}),
+                file=f,
+            )
     return path
 
 
@@ -268,7 +277,8 @@ def ours_variants(a):
 
 
 def run_ours(a, model, data):
-    """One server.py on GPU 0 (or the CPU); train.train against it for every layout and schedule."""
+    """One server.py on GPU 0 (or the CPU); train.train against it for every schedule and layout
+    (2 GPUs: the trainer on cuda:1, NCCL; 1 GPU: on cuda:0 beside the server, CUDA IPC)."""
     import torch
 
     import train
@@ -285,14 +295,16 @@ def run_ours(a, model, data):
     proc, client = launch_server(*flags, log_path=log, timeout=300)
     print(f"server.py {' '.join(flags)}; decodes {client.health()['max_num_seqs']} at once")
     try:
-        for layout, device in layouts:
-            for name, overrides in ours_variants(a).items():
+        for name, overrides in ours_variants(a).items():
+            for layout, device in layouts:
                 with reported("ours", layout, name):
                     if gpus:
                         torch.cuda.set_device(device)
                     cfg = ours_config(a, model, data, device, name, overrides)
                     history = train.train(cfg, client)
                     emit_ours(a, cfg, layout, name, history)
+                    # its checkpoint (fp32: 2 GB for the 0.5B shape) is not needed
+                    shutil.rmtree(cfg.out)
                 if gpus:
                     torch.cuda.empty_cache()
     finally:
@@ -584,6 +596,7 @@ def tree_attention_kernel():
 
 
 def run_trl_async(a, model, data):
+    import torch
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     attention = tree_attention_kernel()
@@ -601,6 +614,8 @@ def run_trl_async(a, model, data):
             max_staleness=a.trl_async_max_staleness,
             # a fixed per_device_train_batch_size per micro-batch, as everywhere else
             token_budget=0,
+            bf16=torch.cuda.is_available(),
+            gradient_checkpointing=True,
             logging_steps=1,
             report_to="none",
             save_strategy="no",
@@ -658,7 +673,7 @@ def run_layout(a, name, deadline, argv):
     Its whole output goes to --out/NAME.log; on a failure the tail is printed here."""
     gpus, cap = LAYOUTS[name]
     left = deadline - time.monotonic()
-    if left < 30:
+    if left < 60:
         print(f"\n[{name}] skipped: {left:.0f} s of --budget-s left", flush=True)
         return []
     env = dict(os.environ)
@@ -745,7 +760,8 @@ def main():
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     print(f"GPUs: {names or 'none'}; python {sys.version.split()[0]}, torch {torch.__version__}")
     start = time.monotonic()
-    model, data = build_model(a), build_data(a)
+    model = build_model(a)
+    data = build_data(a, model)
     print(f"model {model} ({a.model_size}), data {data}: built in {time.monotonic() - start:.0f} s")
     print(json.dumps(vars(a)), flush=True)
     layouts = [n.strip() for n in a.layouts.split(",") if n.strip()]
