@@ -328,6 +328,8 @@ def ours_config(a, model, data, device, name, overrides):
         device=device,
         bf16=device != "cpu",
         gradient_checkpointing=True,
+        # a server that died is not coming back here: fail the run soon
+        reconnect_timeout=30.0,
         **overrides,
     )
 
