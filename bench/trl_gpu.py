@@ -12,7 +12,7 @@ The workload, the same on every side: a random-weight Qwen2 of Qwen2.5-0.5B's sh
 layers, 14 heads, 2 KV heads, 4864 intermediate, 151,936 vocabulary, tied; or 1.5B's) saved once in
 bf16 under --work, with a character-level tokenizer padded to the full vocabulary (every id a random
 model samples decodes); the same prompts ("user: Problem 7: compute 37*8+12. ...assistant: ",
-about 90 tokens) and reward (train.reward: 1 if the last number is the answer); --prompts-per-step
+69 tokens) and reward (train.reward: 1 if the last number is the answer); --prompts-per-step
 prompts x --group-size 8 completions of up to --max-tokens tokens (the untrained model runs to the
 limit: the worst case for a synchronous loop's tail), trained in --micro-batches micro-batches;
 fp32 master weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one optimizer step per
