@@ -11,14 +11,12 @@ In reading order:
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
-4. `tiny_model()`: the model the tests and the demo use, since nothing is downloaded.
 Each vLLM call that may change between releases is one small function next to its user.
 """
 
 import ast
 import asyncio
 import operator
-import os
 import threading
 import time
 import uuid
@@ -30,9 +28,9 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-# the payloads and the weight group live in client.py, which a trainer imports without vLLM
+# the payloads, the weight group and the tiny model live in client.py, which a trainer imports
+# without vLLM
 from client import (
-    DTYPES,
     Completion,
     Episode,
     broadcast,
@@ -42,8 +40,6 @@ from client import (
     unpack,
     weight_group,
 )
-
-TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-model")
 
 
 # -- the engine ------------------------------------------------------------------------------------
@@ -538,63 +534,3 @@ class RolloutEngine:
             )
         )
         return [episodes[i : i + params.n] for i in range(0, len(episodes), params.n)]
-
-
-# -- the built-in tiny model -----------------------------------------------------------------------
-def tiny_model(
-    path=TINY_MODEL_DIR, seed=0, hidden_size=128, num_layers=2, dtype="float32", **overrides
-):
-    """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder. The
-    same seed and sizes give the same weights; `overrides` are Qwen2Config fields (for
-    benchmarks)."""
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        return path
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    # printable ASCII
-    vocab = {
-        t: i
-        for i, t in enumerate(
-            ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
-        )
-    }
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
-    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>"
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-        "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    config = Qwen2Config(
-        vocab_size=len(vocab),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 32,
-        num_key_value_heads=max(1, hidden_size // 64),
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.1,  # wide logits: no near-ties in greedy
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
-        torch_dtype=dtype,
-    )
-    config.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
-    save_model(model, tokenizer, path)
-    return path
-
-
-def save_model(model, tokenizer, path):
-    """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    for part in (model, tokenizer):
-        part.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.replace(tmp, path)

@@ -28,8 +28,8 @@ from aiohttp import web
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from client import DTYPES, TRANSPORTS
-from engine import Engine, RolloutEngine, check_encodable, engine_args, tiny_model
+from client import DTYPES, TRANSPORTS, tiny_model
+from engine import Engine, RolloutEngine, check_encodable, engine_args
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
 SAMPLING_FIELDS = {

@@ -31,8 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client, ServerError, launch_server, stop_server
-from engine import Episode, save_model, tiny_model
+from client import Client, Episode, ServerError, launch_server, save_model, stop_server, tiny_model
 
 
 def flag(default, help, choices=None):

@@ -29,7 +29,7 @@ each on the server settings it needs:
                     (--max-num-seqs); the older schedule, kept for comparison
 Each run first pushes the checkpoint's weights, so all start from one policy.
 
-The workload: a Qwen2 from `engine.tiny_model` that is *not* warm-started, sampling at temperature 1
+The workload: a Qwen2 from `client.tiny_model` that is *not* warm-started, sampling at temperature 1
 until its end-of-text token or `--max-tokens`, so completion lengths vary from prompt to prompt (a
 long tail at the limit). The reward (last number == a+b) is rarely 1: the gradients are real but
 noisy, which is all a timing benchmark needs.
@@ -57,8 +57,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import train  # noqa: E402
-from client import launch_server, stop_server  # noqa: E402
-from engine import TINY_MODEL_DIR, tiny_model  # noqa: E402
+from client import TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
 
 
 def medians(history, warmup):

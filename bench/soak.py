@@ -29,8 +29,7 @@ sys.path.insert(0, ROOT)
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from client import Client, launch_server, stop_server  # noqa: E402
-from engine import tiny_model  # noqa: E402
+from client import Client, launch_server, stop_server, tiny_model  # noqa: E402
 
 
 def main():

@@ -29,8 +29,8 @@ sys.path.insert(0, ROOT)
 from vllm import SamplingParams  # noqa: E402
 
 import train  # noqa: E402
-from client import launch_server, stop_server  # noqa: E402
-from engine import Engine, engine_args, tiny_model  # noqa: E402
+from client import launch_server, stop_server, tiny_model  # noqa: E402
+from engine import Engine, engine_args  # noqa: E402
 
 SCHEDULES = {
     "sync-batch": (0, ()),

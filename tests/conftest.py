@@ -16,8 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # workers, as CUDA cannot be initialised again in a forked child
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
-from client import launch_server, stop_server  # noqa: E402
-from engine import tiny_model  # noqa: E402
+from client import launch_server, stop_server, tiny_model  # noqa: E402
 
 HAS_MCP = importlib.util.find_spec("mcp") is not None
 needs_mcp = pytest.mark.skipif(not HAS_MCP, reason="the mcp package is not installed")
