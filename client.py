@@ -19,6 +19,7 @@ import base64
 import contextlib
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -663,12 +664,8 @@ def tiny_model(
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     # printable ASCII
-    vocab = {
-        t: i
-        for i, t in enumerate(
-            ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
-        )
-    }
+    tokens = ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
     tokenizer = PreTrainedTokenizerFast(
@@ -701,10 +698,14 @@ def tiny_model(
     return path
 
 
-def save_model(model, tokenizer, path):
-    """save_pretrained into a new folder `path`, atomically: a half-written model is never found."""
+def save_model(model, tokenizer, path, extra=None):
+    """save_pretrained into `path`, replacing what is there only once all is written: a half-written
+    model is never found. `extra`: {file name: object} saved beside it with torch.save."""
     tmp = f"{path}.tmp{os.getpid()}"
     for part in (model, tokenizer):
         part.save_pretrained(tmp)
+    for name, obj in (extra or {}).items():
+        torch.save(obj, os.path.join(tmp, name))
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

@@ -16,6 +16,7 @@ Where this departs from the GRPO paper:
 import argparse
 import contextlib
 import functools
+import importlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import random
 import re
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, fields
 from statistics import mean
 
@@ -45,7 +47,11 @@ class Config:
     model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
     warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
     dataset: str = flag(
-        "", "jsonl of {prompt, answer}: reward 1 if the completion's last number is the answer"
+        "", 'jsonl, a row per line: {"prompt", "answer", "task" (optional), what --reward reads}'
+    )
+    reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
+    success_threshold: float = flag(
+        1.0, "a sample whose reward is at least this is a success (accuracy, pass@k)"
     )
     task: str = flag(
         "addition",
@@ -70,6 +76,12 @@ class Config:
         0.3, "the GPU share of the server train.py starts; the trainer uses the rest"
     )
     out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
+    save_every: int = flag(0, "save the checkpoint every K steps (0: at the end only)")
+    resume: str = flag(
+        "",
+        "continue the run in this --out from its checkpoint: steps numbered on, metrics appended",
+    )
+    seed_requests: bool = flag(False, "seed each step's requests from its prompts (exact resumes)")
     seed: int = flag(0, "seed for data, sampling and init")
     # GRPO
     steps: int = flag(120, "optimizer steps")
@@ -102,29 +114,19 @@ class Config:
     )
     is_cap: float = flag(2.0, "cap of the importance weights of stale samples (TIS)")
     # evaluation: held-out prompts (never trained on), scored with the task's reward, pass@k
-    eval_only: bool = flag(False, "evaluate the model (no training) and exit")
+    eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
     eval_every: int = flag(0, "evaluate every K steps while training, and at the end (0: never)")
     eval_prompts: int = flag(8, "held-out prompts, taken from the data and never trained on")
     eval_n: int = flag(8, "samples per held-out prompt: pass@k for k = 1, 2, 4, ... <= n")
 
     def __post_init__(self):
+        for name in ("steps", "micro_batches", "max_tokens", "max_turns", "eval_prompts", "eval_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("train_micro_batch", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         for wrong, why in [
-            (
-                min(
-                    self.steps,
-                    self.micro_batches,
-                    self.max_tokens,
-                    self.max_turns,
-                    self.eval_prompts,
-                    self.eval_n,
-                )
-                < 1,
-                "steps, micro_batches, max_tokens, max_turns, eval_prompts and eval_n must be >= 1",
-            ),
-            (
-                min(self.train_micro_batch, self.eval_every) < 0,
-                "train_micro_batch and eval_every must be >= 0",
-            ),
             (
                 self.prompts_per_step % self.micro_batches,
                 "prompts_per_step must be divisible by micro_batches",
@@ -132,9 +134,24 @@ class Config:
             (self.max_staleness not in (0, 1), "max_staleness must be 0 or 1"),
             (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
             (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}"),
+            # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
+            (
+                not os.path.isdir(self.model)
+                and (os.path.isabs(self.model) or os.path.isdir(os.path.dirname(self.model))),
+                f"no model folder {self.model}",
+            ),
+            (not 0 < self.success_threshold <= 1, "success_threshold must be in (0, 1]"),
+            (
+                self.resume and not os.path.exists(state_path(self.resume)),
+                f"--resume {self.resume}: no {state_path(self.resume)}",
+            ),
         ]:
             if wrong:
                 raise ValueError(why)
+        reward_function(self)
+        if self.resume:
+            self.out = self.resume
+            self.model = os.path.dirname(state_path(self.resume))
 
     @property
     def micro_batch_seqs(self):
@@ -175,13 +192,8 @@ def calculator_data(n, seed):
     """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
     rng = random.Random(seed)
     qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
-    return [
-        {
-            "prompt": f"What is {q}? Call <tool>calc EXPRESSION</tool>, then answer.\n",
-            "answer": str(eval(q)),
-        }
-        for q in qs
-    ]
+    prompt = "What is {}? Call <tool>calc EXPRESSION</tool>, then answer.\n"
+    return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
 
 
 def load_data(cfg):
@@ -190,8 +202,7 @@ def load_data(cfg):
     if not cfg.dataset:
         data = (calculator_data if cfg.task == "calculator" else addition_data)(100_000, cfg.seed)
     else:
-        with open(cfg.dataset) as f:
-            data = [json.loads(line) for line in f if line.strip()]
+        data = read_dataset(cfg.dataset, reward_function(cfg))
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
     held_out = list({r["prompt"]: r for r in data}.values())[: cfg.eval_prompts]
@@ -204,16 +215,80 @@ def load_data(cfg):
     return data, held_out
 
 
-def reward(completion: str, answer: str, partial=False) -> float:
-    """1 if the last number in the completion equals the answer, else 0. With `partial` (the
-    built-in task) an answer off by one earns 2/3 and off by two 1/3: a denser signal for the
-    tiny model, which otherwise locks into its first lucky answers."""
+def read_dataset(path, reward_fn):
+    """The rows of a jsonl file, every one checked before anything is generated: a JSON object with
+    a string "prompt" (and "task", if any; a row without one is of the task named after the file)
+    that the reward can score (an empty completion must get a number in [0, 1], so a field the
+    reward reads and the row lacks shows here). Raises ValueError naming the bad lines."""
+    rows, errors, task = [], [], os.path.splitext(os.path.basename(path))[0]
+    with open(path) as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        # whatever the row or the reward raises is that line's error
+        try:
+            row = json.loads(line)
+            row.setdefault("task", task)
+            if not isinstance(row["prompt"], str) or not isinstance(row["task"], str):
+                raise ValueError('"prompt" and "task" must be strings')
+            score(reward_fn, "", row)
+            rows.append(row)
+        except Exception as e:
+            errors.append(f"line {number}: {type(e).__name__}: {e}")
+    if errors or not rows:
+        raise ValueError(
+            f"{path}: {len(errors)} of {len(lines)} lines are not rows to train on: "
+            + ("; ".join(errors[:5]) or "no rows")
+        )
+    return rows
+
+
+# -- the reward: a function of (completion, row) -> [0, 1] -----------------------------------------
+def reward(completion: str, answer: str) -> float:
+    """The default reward: 1 if the last number in the completion equals the answer, else 0."""
+    return float(distance(completion, answer) == 0)
+
+
+def addition_reward(completion: str, row: dict) -> float:
+    """The built-in task's reward: an answer off by one earns 2/3 and off by two 1/3, a denser
+    signal for the tiny model, which otherwise locks into its first lucky answers."""
+    return max(0.0, 1 - distance(completion, row["answer"]) / 3)
+
+
+def answer_reward(completion: str, row: dict) -> float:
+    return reward(completion, row["answer"])
+
+
+def distance(completion, answer):
+    """|the last number in the completion - the answer|, inf where there is none."""
     numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
     try:
-        diff = abs(float(numbers[-1]) - float(answer)) if numbers else float("inf")
+        return abs(float(numbers[-1]) - float(answer)) if numbers else math.inf
     except ValueError:
-        return 0.0
-    return max(0.0, 1 - diff / 3) if partial else float(diff == 0)
+        return math.inf
+
+
+def reward_function(cfg):
+    """--reward's function (module:function, importable from here), else the task's own."""
+    if not cfg.reward:
+        builtin = not cfg.dataset and cfg.task == "addition"
+        return addition_reward if builtin else answer_reward
+    module, _, name = cfg.reward.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward {cfg.reward} (module:function): {e}") from None
+
+
+def score(reward_fn, completion, row) -> float:
+    """One completion's reward, checked to be a number in [0, 1]."""
+    value = reward_fn(completion, row)
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(
+            f"the reward of {completion!r} for {row['prompt']!r} is {value!r}, not in [0, 1]"
+        )
+    return float(value)
 
 
 def warm_start(base, path, steps, seed):
@@ -223,10 +298,8 @@ def warm_start(base, path, steps, seed):
         return path
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, tok = (
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        AutoTokenizer.from_pretrained(base),
-    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
         rows = addition_data(64, rng.random())
@@ -321,15 +394,21 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
 
 
-def sequence(row, sample, tok, partial=False):
-    """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward,
-    and the weight versions that produced it (an episode has one per turn)."""
+def sequence(row, sample, tok, reward_fn=answer_reward):
+    """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward
+    (`reward_fn` of the completion and the row), and the weight versions that produced it (an
+    episode has one per turn)."""
+    if sample is None:
+        raise ValueError(
+            "no sample to train on (None): a session whose calls do not continue one another has "
+            "no episode (the session's 'reason' says where); train on its 'calls' instead"
+        )
     if isinstance(sample, Episode):
         return {
             "ids": sample.token_ids,
             "mask": sample.loss_mask,
             "logprobs": sample.logprobs,
-            "reward": reward(sample.turns[-1]["text"], row["answer"], partial),
+            "reward": score(reward_fn, sample.turns[-1]["text"], row),
             "versions": [t["version"] for t in sample.turns],
         }
     prompt = tok(row["prompt"]).input_ids
@@ -337,7 +416,7 @@ def sequence(row, sample, tok, partial=False):
         "ids": prompt + sample.token_ids,
         "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
         "logprobs": [None] * len(prompt) + sample.logprobs,
-        "reward": reward(sample.text, row["answer"], partial),
+        "reward": score(reward_fn, sample.text, row),
         "versions": [sample.version],
     }
 
@@ -366,6 +445,9 @@ def submit(client, rows, cfg, min_version=0):
         min_version=min_version,
         is_async=True,
     )
+    if cfg.seed_requests:
+        # a function of the step's rows: the same prompts get the same seed, whenever they are sent
+        sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
     # every prompt its own request, all at once: the engine decodes one big batch
     if cfg.schedule == "overlap":
         if cfg.task == "calculator":
@@ -428,8 +510,9 @@ def pass_at_k(n, c, k):
 
 def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's current weights, at the sampling
-    temperature; an exact answer passes. Returns pass@k for k = 1, 2, 4, ... <= n, over all rows
-    and per task (a dataset row may name its "task"): {"pass@1": ..., "addition/pass@1": ...}."""
+    temperature; a sample passes with a reward of at least --success-threshold. Returns pass@k for
+    k = 1, 2, 4, ... <= n, over all rows and per task (a row's "task"; the built-in data's is
+    --task): {"pass@1": ..., "addition/pass@1": ...}."""
     n = cfg.eval_n  # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
     sampling = (
         {"temperature": cfg.temperature}
@@ -439,6 +522,7 @@ def evaluate(client, rows, cfg):
     results = requester(client, cfg)(
         [r["prompt"] for r in rows], n=n, max_tokens=cfg.max_tokens, **sampling
     )
+    reward_fn = reward_function(cfg)
     ks = [2**i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
     per_task = {}
     for row, samples in zip(rows, results, strict=True):
@@ -447,7 +531,8 @@ def evaluate(client, rows, cfg):
                 f"{len(samples)} samples for prompt {row['prompt']!r}, asked for {n}"
             )
         correct = sum(
-            reward(s.turns[-1]["text"] if isinstance(s, Episode) else s.text, row["answer"]) == 1
+            score(reward_fn, s.turns[-1]["text"] if isinstance(s, Episode) else s.text, row)
+            >= cfg.success_threshold
             for s in samples
         )
         for task in ("", row.get("task", cfg.task) + "/"):
@@ -532,17 +617,18 @@ def draw_timeline(ax, history, steps=4):
 
 
 # -- the loop --------------------------------------------------------------------------------------
-def accumulate_step(client, model, tok, rows, submitted, cfg, version, partial):
+def accumulate_step(client, model, tok, rows, submitted, cfg, version):
     """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
     each micro-batch as it lands. Returns the step's rewards, tokens, staleness and importance
     weights, and the intervals (time.time()) of generation on the server and training here."""
     rewards_all, tokens, staleness, weights, gen, trained = [], 0, [], [], [], []
+    reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
     for mb, samples, timings in collect(client, rows, submitted, cfg):
         t_ready = time.time()  # the trainer waited for this micro-batch until now
         gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
         # B = prompts * G
-        seqs = [sequence(r, x, tok, partial) for r, group in zip(mb, samples) for x in group]
+        seqs = [sequence(r, x, tok, reward_fn) for r, group in zip(mb, samples) for x in group]
         # (B,) how many updates old
         lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])
         if (lag < 0).any() or (lag > cfg.max_staleness).any():
@@ -659,10 +745,11 @@ def reconnect(client, model, cfg, why):
             time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
 
 
-def train(cfg: Config, client: Client):
+def train(cfg: Config, client: Client, data=None):
+    """Run GRPO; `data`: load_data's (training rows, held-out rows), loaded here if not given."""
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    data, held_out = load_data(cfg)
+    data, held_out = data or load_data(cfg)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
     tok = AutoTokenizer.from_pretrained(cfg.model)
     if cfg.gradient_checkpointing:
@@ -670,6 +757,7 @@ def train(cfg: Config, client: Client):
         # transformers checkpoints only in training mode; the models we train have no dropout
         model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    start, rows, history = start_run(cfg, opt, rng, data)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
     if (
@@ -682,16 +770,16 @@ def train(cfg: Config, client: Client):
             f"{decoded} at once, so micro-batches may not finish in order"
         )
     os.makedirs(cfg.out, exist_ok=True)
-    history, t_run = [], time.time()
-    partial = not cfg.dataset and cfg.task == "addition"  # partial credit on the built-in task only
-    rows, submitted = rng.sample(data, cfg.prompts_per_step), None
+    t_run, submitted = time.time(), None
     # `with client`: if anything below raises, the requests still generating on the server are
     # aborted
     with (
         client,
         open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log,
-        tqdm(range(cfg.steps), desc="GRPO") as bar,
+        tqdm(range(start, cfg.steps), desc="GRPO") as bar,
     ):
+        # a resumed run's metrics so far: the steps before its checkpoint
+        log.writelines(json.dumps(row) + "\n" for row in history)
         for step in bar:
             evaluation = None
             if cfg.eval_every and step % cfg.eval_every == 0:
@@ -707,7 +795,7 @@ def train(cfg: Config, client: Client):
                     # step s+1 generates now, on these weights, while s trains
                     if cfg.max_staleness == 1 and not last:
                         next_submitted = next_submitted or submit(client, next_rows, cfg)
-                    s = accumulate_step(client, model, tok, rows, submitted, cfg, version, partial)
+                    s = accumulate_step(client, model, tok, rows, submitted, cfg, version)
                     break
                 except (ConnectionError, ServerError) as e:
                     if attempt == 2 or not server_lost(e):
@@ -743,6 +831,8 @@ def train(cfg: Config, client: Client):
                 version = reconnect(client, model, cfg, e)
             s["sync"] = [[t_sync, time.time()]]
             rows, submitted = next_rows, next_submitted
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save_checkpoint(cfg, model, tok, opt, step + 1, rng, rows)
             row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
             print(json.dumps(row), file=log, flush=True)
@@ -752,8 +842,7 @@ def train(cfg: Config, client: Client):
         evals.append((cfg.steps, final_eval(client, held_out, cfg)))
     client.close_communicator()
     plot(history, os.path.join(cfg.out, "plot.png"), evals)
-    for part in (model, tok):
-        part.save_pretrained(os.path.join(cfg.out, "checkpoint"))
+    save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rows)
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
         last = mean(h[key] for h in history[-5:])
@@ -780,7 +869,7 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
     row = {
         "step": step,
         "reward": rewards.mean().item(),
-        "accuracy": (rewards == 1).float().mean().item(),
+        "accuracy": (rewards >= cfg.success_threshold).float().mean().item(),
         "version": version,
         "schedule": cfg.schedule,
         "grad_norm": s["grad_norm"],
@@ -808,28 +897,79 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
 
 
 def final_eval(client, held_out, cfg):
-    """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out."""
+    """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out: the results, the model
+    and the version of the weights evaluated."""
     result = evaluate(client, held_out, cfg)
+    server = client.health()
     print(
-        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples; "
+        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples on weights version "
+        f"{server['version']}; "
         + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k)
     )
+    record = {"model": cfg.model or server["model"], "version": server["version"], **result}
     with open(os.path.join(cfg.out, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(record, f, indent=1)
     return result
+
+
+def eval_only(client, cfg, held_out):
+    """--eval-only: evaluate --model. A server given by --server-url gets its weights pushed first
+    (one that train.py starts loads them); without --model, what that server holds is evaluated."""
+    if cfg.server_url and cfg.model:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        client.init_communicator(host=cfg.trainer_host, device=cfg.device)
+        client.update_model_params(model.to(cfg.device))
+        client.close_communicator()
+    return final_eval(client, held_out, cfg)
+
+
+# -- checkpoints: --save-every, --resume -----------------------------------------------------------
+def state_path(run):
+    return os.path.join(run, "checkpoint", "trainer_state.pt")
+
+
+def save_checkpoint(cfg, model, tok, opt, next_step, rng, rows):
+    """Replace --out/checkpoint with everything the run needs to go on at `next_step`: the model and
+    tokenizer (save_pretrained: a checkpoint is a model to serve too) and trainer_state.pt: the
+    optimizer, the step, and the data order (the sampler's RNG state and that step's rows)."""
+    state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
+    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), {"trainer_state.pt": state})
+
+
+def start_run(cfg, opt, rng, data):
+    """(the first step, its rows, the metrics so far): a new run's, or with --resume (the model is
+    loaded from the checkpoint already) the checkpoint's, after restoring the optimizer and the
+    sampler's RNG; the metrics of the steps before the checkpoint's. Nothing else here draws random
+    numbers: the models have no dropout, and the server samples."""
+    if not cfg.resume:
+        return 0, rng.sample(data, cfg.prompts_per_step), []
+    state = torch.load(state_path(cfg.resume), weights_only=True)
+    opt.load_state_dict(state["optimizer"])
+    rng.setstate(state["rng"])
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
+    return state["step"], state["rows"], history
 
 
 def main(argv=None):
     cfg = parse_config(argv)
-    if not cfg.model:
+    # without --model, --eval-only --server-url evaluates the weights that server holds
+    if not cfg.model and not (cfg.eval_only and cfg.server_url):
         cfg.model = warm_start(
             tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed
         )
     print(json.dumps(asdict(cfg)))
+    # before any server starts: a run is never overwritten, and every row of the data is checked
+    if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+        sys.exit(f"{cfg.out} holds a run: continue it with --resume, or choose another --out")
+    try:
+        data = load_data(cfg)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     run = (
-        (lambda client: final_eval(client, load_data(cfg)[1], cfg))
+        functools.partial(eval_only, cfg=cfg, held_out=data[1])
         if cfg.eval_only
-        else functools.partial(train, cfg)
+        else functools.partial(train, cfg, data=data)
     )
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.server_url:

@@ -1,0 +1,196 @@
+"""The path a forker takes: a trainer machine without vLLM, one's own reward and data, --eval-only
+on one's own model, checkpoints and --resume.
+
+Run: .venv/bin/python -m pytest tests/test_forking.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import train
+from client import Episode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# imported first by every Python process that has this folder on PYTHONPATH: `import vllm` then
+# raises ImportError, as on a trainer machine where vLLM is not installed
+NO_VLLM = 'import sys\nsys.modules["vllm"] = None\n'
+# a reward module of one's own: --reward rewards:<name>; `crash_after` simulates a trainer that
+# dies mid-run (the reward raises once it has scored that many samples)
+REWARDS = """
+scored, crash_after = 0, None
+
+
+def half(completion, row):
+    return 0.5
+
+
+def letters(completion, row):
+    global scored
+    scored += 1
+    if crash_after is not None and scored > crash_after:
+        raise RuntimeError("the trainer died")
+    return sum(c.isalpha() for c in completion) / max(len(completion), 1)
+"""
+
+
+@pytest.fixture
+def rewards(tmp_path, monkeypatch):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("rewards", None)
+    yield
+    sys.modules.pop("rewards", None)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def eval_only(server, model_path, out, *args):
+    """train.py --eval-only against the session server, 4 held-out prompts x 2 samples."""
+    return train.main(
+        ["--eval-only", "--server-url", server.base_url, "--model", model_path, "--out", str(out)]
+        + ["--eval-prompts", "4", "--eval-n", "2", *args]
+    )
+
+
+# -- a trainer machine without vLLM ----------------------------------------------------------------
+def test_train_py_runs_against_a_server_where_vllm_cannot_be_imported(
+    server, model_path, tmp_path, restore_weights
+):
+    (tmp_path / "sitecustomize.py").write_text(NO_VLLM)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    check = [sys.executable, "-c", "import vllm"]
+    assert subprocess.run(check, env=env, capture_output=True).returncode != 0
+    steps = ["--steps", "2", "--prompts-per-step", "4", "--micro-batches", "1", "--group-size", "2"]
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--server-url", server.base_url]
+        + ["--model", model_path, "--out", str(tmp_path / "run"), *steps],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# -- your reward, your data ------------------------------------------------------------------------
+def test_sequence_given_no_episode_says_what_is_wrong():
+    with pytest.raises(ValueError, match="no episode"):
+        train.sequence({"prompt": "p", "answer": "3"}, None, tok=None)
+
+
+def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
+    """The README: the reward is train.reward(completion, answer); replace it, and the rest
+    follows."""
+    monkeypatch.setattr(train, "reward", lambda completion, answer: float(answer in completion))
+    episode = Episode(
+        [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
+    )
+    assert train.sequence({"prompt": "p", "answer": "42"}, episode, tok=None)["reward"] == 1.0
+
+
+def test_a_reward_of_ones_own_passes_at_the_stated_threshold(server, model_path, tmp_path, rewards):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+1="} for i in range(6)])
+    common = ["--dataset", data, "--reward", "rewards:half", "--success-threshold"]
+    assert eval_only(server, model_path, tmp_path, *common, "0.5")["pass@1"] == 1.0
+    assert eval_only(server, model_path, tmp_path, *common, "0.6")["pass@1"] == 0.0
+
+
+def test_every_dataset_row_is_checked_before_anything_is_generated(model_path, tmp_path):
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, "not json", {"prompt": 3}],
+    )
+    # nothing listens there: generating anything would fail differently
+    argv = ["--server-url", "http://127.0.0.1:9", "--model", model_path, "--dataset", data]
+    with pytest.raises(SystemExit) as e:
+        train.main([*argv, "--out", str(tmp_path / "run")])
+    message = str(e.value.code)
+    assert "line 2: KeyError: 'answer'" in message and "line 3" in message and "line 4" in message
+    assert "line 1:" not in message
+
+
+def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):
+    cfg = train.Config(model="m", dataset=write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}]))
+    with pytest.raises(ValueError, match="'p' is 2"):
+        train.score(lambda completion, row: 2, "", {"prompt": "p"})
+    with pytest.raises(ValueError, match="line 1"):
+        train.read_dataset(cfg.dataset, lambda completion, row: 2)
+
+
+def test_evaluation_labels_a_dataset_by_its_rows_tasks_or_its_file(server, model_path, tmp_path):
+    rows = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(4)]
+    rows[0]["task"] = "zero"
+    data = write_jsonl(tmp_path / "sums.jsonl", rows)
+    result = eval_only(server, model_path, tmp_path, "--dataset", data)
+    assert {k.split("/")[0] for k in result if "/" in k} == {"zero", "sums"}
+
+
+# -- --eval-only evaluates what it is asked to -----------------------------------------------------
+def test_eval_only_pushes_the_model_it_evaluates_and_records_its_version(
+    server, model_path, tmp_path, restore_weights
+):
+    v0 = server.health()["version"]
+    result = eval_only(server, model_path, tmp_path)
+    record = json.loads((tmp_path / "eval.json").read_text())
+    assert server.health()["version"] == v0 + 1
+    assert record == {"model": model_path, "version": v0 + 1, **result}
+
+
+def test_eval_only_of_a_model_folder_that_does_not_exist_is_an_error(server, tmp_path):
+    with pytest.raises(SystemExit):
+        eval_only(server, str(tmp_path / "no-such-model"), tmp_path)
+    assert not (tmp_path / "eval.json").exists()
+
+
+# -- checkpoints and --resume ----------------------------------------------------------------------
+def parameters(run):
+    return load_file(os.path.join(run, "checkpoint", "model.safetensors"))
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(
+    server, model_path, tmp_path, rewards, restore_weights
+):
+    """6 steps straight against a run that saves every 3 steps, dies in step 4 and is resumed:
+    the same parameters (seeded requests, sync-batch). Tolerance: exactly equal (max |diff| 0)."""
+    import rewards as module
+
+    settings = dict(model=model_path, steps=6, prompts_per_step=4, micro_batches=2, group_size=4)
+    settings |= dict(
+        max_tokens=6, schedule="sync-batch", seed_requests=True, reward="rewards:letters"
+    )
+    straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
+    train.train(train.Config(**settings, out=straight), server)
+    # 16 samples a step: it dies scoring step 4's, after step 3's metrics, with step 3 saved
+    module.scored, module.crash_after = 0, 4 * 16
+    with pytest.raises(RuntimeError, match="died"):
+        train.train(train.Config(**settings, out=broken, save_every=3), server)
+    steps = [json.loads(line)["step"] for line in open(os.path.join(broken, "metrics.jsonl"))]
+    assert steps == [0, 1, 2, 3]
+    module.crash_after = None
+    train.train(train.Config(**settings, resume=broken), server)
+    steps = [json.loads(line)["step"] for line in open(os.path.join(broken, "metrics.jsonl"))]
+    assert steps == [0, 1, 2, 3, 4, 5]
+    ours, theirs = parameters(broken), parameters(straight)
+    initial = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+    assert any(not torch.equal(theirs[k], initial[k]) for k in theirs)
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) == 0
+
+
+def test_an_out_holding_a_run_is_never_overwritten(model_path, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    argv = ["--server-url", "http://127.0.0.1:9", "--model", model_path, "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert "--resume" in str(e.value.code)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
