@@ -649,7 +649,7 @@ def stop_server(proc):
 
 
 # -- the built-in tiny model: tests and the demo build it (nothing is downloaded; no vLLM needed) --
-TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-model")
+TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen2")
 
 
 def tiny_model(
@@ -657,19 +657,23 @@ def tiny_model(
 ):
     """Build (once) a small Qwen2 causal LM with a character-level tokenizer; return its folder. The
     same seed and sizes give the same weights; `overrides` are Qwen2Config fields (for
-    benchmarks)."""
+    benchmarks). Every token but end-of-text is a character, so any text the model writes is
+    tokenised back into the very tokens it sampled (an OpenAI session merges)."""
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    # printable ASCII
-    tokens = ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
+    # end-of-text, tab, space, printable ASCII, newline; named as byte-level BPE names them (tab
+    # "ĉ", space "Ġ", newline "Ċ"), since transformers loads a Qwen2 tokenizer as byte-level
+    tokens = ["<|endoftext|>", "\u0109", "\u0120"] + [chr(i) for i in range(33, 127)] + ["\u010a"]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
-    tok.decoder = decoders.Fuse()  # decode by concatenation, no spaces between characters
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    # padding is masked: any id will do
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>"
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
@@ -688,6 +692,7 @@ def tiny_model(
         initializer_range=0.1,  # wide logits: no near-ties in greedy
         bos_token_id=0,
         eos_token_id=0,
+        # the embedding's padding_idx, whose row starts at zero: the tab's (it was a pad token once)
         pad_token_id=1,
         torch_dtype=dtype,
     )

@@ -194,3 +194,16 @@ def test_an_out_holding_a_run_is_never_overwritten(model_path, tmp_path):
         train.main(argv)
     assert "--resume" in str(e.value.code)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_the_tiny_models_text_tokenises_back_into_the_tokens_it_sampled(server, model_path):
+    """What an OpenAI session relies on: the agent sends the text back, and its tokens must be the
+    sampled ones (spaces, tabs and newlines included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    [samples] = server.generate(["Count: 1 2\n"], n=16, max_tokens=64, seed=3)
+    for c in samples:
+        sampled = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
+        assert tok.encode(c.text, add_special_tokens=False) == sampled, c.text
+    assert any(" " in c.text or "\n" in c.text for c in samples)

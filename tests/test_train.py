@@ -166,9 +166,8 @@ def test_reward_reads_the_last_number():
         and train.reward("", "7") == 0.0
         and train.reward("7.5", "7") == 0.0
     )
-    assert [train.reward(x, "7", partial=True) for x in ("7", "8", "5", "10", "")] == pytest.approx(
-        [1, 2 / 3, 1 / 3, 0, 0]
-    )
+    partial = [train.addition_reward(x, {"answer": "7"}) for x in ("7", "8", "5", "10", "")]
+    assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "overlap-priority", "sync-batch"])
@@ -394,4 +393,8 @@ def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task
         all(0 <= v <= 1 for v in result.values())
         and result["pass@1"] <= result["pass@2"] <= result["pass@4"]
     )
-    assert json.load(open(tmp_path / "eval.json")) == result
+    assert json.load(open(tmp_path / "eval.json")) == {
+        "model": model_path,
+        "version": server.health()["version"],
+        **result,
+    }
