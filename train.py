@@ -4,6 +4,9 @@
     CPU cores) python train.py --schedule sync-batch    # the synchronous loop, for comparison
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
         --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
+    python train.py --dataset my.jsonl --reward my_rewards:boxed --save-every 20 --out runs/mine
+    python train.py --resume runs/mine --steps 200     # goes on from its last checkpoint
+    python train.py --eval-only --model runs/mine/checkpoint --dataset my.jsonl
 
 Where this departs from the GRPO paper:
 1. Each batch is used for one optimizer step: no PPO ratio or clip. With --max-staleness 0 (the
@@ -220,7 +223,8 @@ def read_dataset(path, reward_fn):
     a string "prompt" (and "task", if any; a row without one is of the task named after the file)
     that the reward can score (an empty completion must get a number in [0, 1], so a field the
     reward reads and the row lacks shows here). Raises ValueError naming the bad lines."""
-    rows, errors, task = [], [], os.path.splitext(os.path.basename(path))[0]
+    task = os.path.splitext(os.path.basename(path))[0]
+    rows, errors = [], []
     with open(path) as f:
         lines = f.readlines()
     for number, line in enumerate(lines, 1):
@@ -237,10 +241,8 @@ def read_dataset(path, reward_fn):
         except Exception as e:
             errors.append(f"line {number}: {type(e).__name__}: {e}")
     if errors or not rows:
-        raise ValueError(
-            f"{path}: {len(errors)} of {len(lines)} lines are not rows to train on: "
-            + ("; ".join(errors[:5]) or "no rows")
-        )
+        shown = "; ".join(errors[:5]) or "no rows"
+        raise ValueError(f"{path}: {len(errors)} bad lines of {len(lines)}: {shown}")
     return rows
 
 
@@ -285,9 +287,7 @@ def score(reward_fn, completion, row) -> float:
     """One completion's reward, checked to be a number in [0, 1]."""
     value = reward_fn(completion, row)
     if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ValueError(
-            f"the reward of {completion!r} for {row['prompt']!r} is {value!r}, not in [0, 1]"
-        )
+        raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
     return float(value)
 
 
@@ -398,11 +398,9 @@ def sequence(row, sample, tok, reward_fn=answer_reward):
     """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward
     (`reward_fn` of the completion and the row), and the weight versions that produced it (an
     episode has one per turn)."""
+    # Client.session's episode is None when the calls do not continue one another token for token
     if sample is None:
-        raise ValueError(
-            "no sample to train on (None): a session whose calls do not continue one another has "
-            "no episode (the session's 'reason' says where); train on its 'calls' instead"
-        )
+        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
     if isinstance(sample, Episode):
         return {
             "ids": sample.token_ids,
@@ -513,16 +511,13 @@ def evaluate(client, rows, cfg):
     temperature; a sample passes with a reward of at least --success-threshold. Returns pass@k for
     k = 1, 2, 4, ... <= n, over all rows and per task (a row's "task"; the built-in data's is
     --task): {"pass@1": ..., "addition/pass@1": ...}."""
-    n = cfg.eval_n  # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
-    sampling = (
-        {"temperature": cfg.temperature}
-        if cfg.temperature > 0
-        else {"temperature": 1.0, "top_k": 1}
-    )
-    results = requester(client, cfg)(
-        [r["prompt"] for r in rows], n=n, max_tokens=cfg.max_tokens, **sampling
-    )
+    n = cfg.eval_n
     reward_fn = reward_function(cfg)
+    # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
+    greedy = {"temperature": 1.0, "top_k": 1}
+    sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
+    prompts = [r["prompt"] for r in rows]
+    results = requester(client, cfg)(prompts, n=n, max_tokens=cfg.max_tokens, **sampling)
     ks = [2**i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
     per_task = {}
     for row, samples in zip(rows, results, strict=True):
@@ -902,8 +897,7 @@ def final_eval(client, held_out, cfg):
     result = evaluate(client, held_out, cfg)
     server = client.health()
     print(
-        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples on weights version "
-        f"{server['version']}; "
+        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples, weights v{server['version']}: "
         + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k)
     )
     record = {"model": cfg.model or server["model"], "version": server["version"], **result}

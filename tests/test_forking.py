@@ -122,7 +122,7 @@ def test_every_dataset_row_is_checked_before_anything_is_generated(model_path, t
 
 def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):
     cfg = train.Config(model="m", dataset=write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}]))
-    with pytest.raises(ValueError, match="'p' is 2"):
+    with pytest.raises(ValueError, match="2 for 'p'"):
         train.score(lambda completion, row: 2, "", {"prompt": "p"})
     with pytest.raises(ValueError, match="line 1"):
         train.read_dataset(cfg.dataset, lambda completion, row: 2)
