@@ -25,9 +25,12 @@ The layouts, each in its own process (a failure is printed, exactly, and the nex
                 2 GPUs: trainer on cuda:1, weights over NCCL; 1 GPU: trainer on cuda:0, CUDA IPC;
                 each with sync-batch, overlap and overlap --max-staleness 1, and any --ours-variant
   trl-server    `trl vllm-serve` (vLLM's own server, NCCL weight transfer) on GPU 0, GRPOTrainer on
-                GPU 1 (CUDA_VISIBLE_DEVICES=1,0: the other GPU stays visible, as for ours)
+                GPU 1, as TRL's docs lay them out: the server with CUDA_VISIBLE_DEVICES=0, the
+                trainer with CUDA_VISIBLE_DEVICES=1 (to transformers, a process that sees 2 GPUs
+                trains on both: n_gpu=2); the weight-sync group at 127.0.0.1 (VLLM_HOST_IP)
   trl-colocate  GRPOTrainer with vLLM in its own process, on GPU 0 alone
-  trl-async     `trl vllm-serve` on GPU 0, trl.experimental.async_grpo's AsyncGRPOTrainer on GPU 1,
+  trl-async     `trl vllm-serve` on GPU 0, trl.experimental.async_grpo's AsyncGRPOTrainer on GPU 1
+                (the same devices and group as trl-server),
                 --trl-async-max-staleness (TRL's default: 4), token_budget 0 (fixed micro-batches).
                 Its tree attention fetches the FlashAttention-3 kernel from the Hub at run time;
                 without `kernels` the bench swaps in PyTorch SDPA (one segment at a time): said so.
@@ -37,8 +40,13 @@ TRL's vLLM importance-sampling correction (an extra forward per step) is off unl
 Printed: per side, layout and schedule the median seconds per step after --warmup steps,
 samples/s, where the time went (ours: generation span, training, sync, idle; TRL: its vLLM
 generate and weight-sync calls, the rest), then the speed-up of each of ours over each TRL layout
-(TRL s/step / ours s/step) and the issue's goals. The whole run keeps to --budget-s: a layout that
-would start after it is skipped, one that runs past it is stopped, and either is said.
+(TRL s/step / ours s/step) and the issue's goals. The whole run keeps to --budget-s: each layout
+has a time limit (its own, or --layout-limit-s) that leaves --reserve-s for each layout after it; a
+layout with under a minute is skipped, one that runs past its limit is stopped, and either is said.
+A stopped layout's processes (trainer, vLLM's API server and engine core) first get SIGABRT, and
+Python's faulthandler writes every thread's stack into their logs: a hang shows where it waits.
+The TRL layouts print a line per step (and per weight sync and generate call) into their logs, and
+their NCCL says which transport it took (NCCL_DEBUG=INFO).
 TRL's wheels (trl 1.16.0, datasets, dill, multiprocess and what `vllm serve` needs beyond the
 GPU kit): bench/requirements-trl.txt.
 """
@@ -101,14 +109,17 @@ OURS_VARIANTS = {
     "overlap": {"schedule": "overlap"},
     "sync-batch": {"schedule": "sync-batch"},
 }
-# the order they run in, the GPUs each child sees (None: all), and seconds each may take at most
+# the order they run in, the GPUs each child sees (None: all), and seconds each may take at most;
+# `trl vllm-serve` gets CUDA_VISIBLE_DEVICES=0 from its trainer's child (TRL's documented layout)
 LAYOUTS = {
     "ours": (None, 270),
-    "trl-server": ("1,0", 170),
+    "trl-server": ("1", 170),
     "trl-colocate": ("0", 140),
-    "trl-async": ("1,0", 170),
+    "trl-async": ("1", 170),
     "trl-hf": (None, 600),
 }
+# a stopped layout's processes get this long to write their stacks before they are killed
+DUMP_GRACE_S = 5.0
 
 
 def parse_args(argv=None):
@@ -130,11 +141,6 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=2048, help="every vLLM engine's")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any engine")
     p.add_argument(
-        "--layouts",
-        default="ours,trl-server,trl-colocate,trl-async",
-        help=f"comma-separated, run in this order; of {list(LAYOUTS)} (trl-hf: TRL without vLLM)",
-    )
-    p.add_argument(
         "--ours-variants",
         default=",".join(OURS_VARIANTS),
         help="comma-separated schedules of ours to run",
@@ -148,7 +154,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--trl-is-correction", action="store_true", help="TRL's vLLM IS correction on")
     p.add_argument("--trl-async-max-staleness", type=int, default=1)
-    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all layouts")
+    add_layout_args(p)
     p.add_argument("--work", default="/tmp/trl-gpu-bench", help="model, data, checkpoints")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "trl-gpu"), help="logs")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny model, 3 short steps")
@@ -160,6 +166,27 @@ def parse_args(argv=None):
     if a.prompts_per_step % a.micro_batches:
         p.error("--prompts-per-step must be divisible by --micro-batches")
     return a
+
+
+def add_layout_args(p):
+    """The layouts to run, and the seconds they get."""
+    p.add_argument(
+        "--layouts",
+        default="ours,trl-server,trl-colocate,trl-async",
+        help=f"comma-separated, run in this order; of {list(LAYOUTS)} (trl-hf: TRL without vLLM)",
+    )
+    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all layouts")
+    p.add_argument(
+        "--layout-limit-s",
+        type=float,
+        help="seconds each layout may take at most (default: its own, in LAYOUTS)",
+    )
+    p.add_argument(
+        "--reserve-s",
+        type=float,
+        default=90.0,
+        help="seconds of --budget-s a layout leaves for each layout after it",
+    )
 
 
 # -- the shared model and data ---------------------------------------------------------------------
@@ -235,8 +262,17 @@ def seqs_per_micro_batch(a):
 
 
 # -- the children: each layout runs in its own process and prints RESULT / FAILED lines ------------
+CHILD_START = time.monotonic()
+
+
 def emit(kind, **fields):
     print(f"{kind} {json.dumps(fields)}", flush=True)
+
+
+def progress(message):
+    """One line into the layout's log, stamped with the seconds since its process started: where a
+    run that hangs got to."""
+    print(f"[{time.monotonic() - CHILD_START:7.1f} s] {message}", flush=True)
 
 
 @contextlib.contextmanager
@@ -377,7 +413,7 @@ def trl_dataset(data, conversational=False):
 
 def step_timer(totals):
     """A TrainerCallback that records, per optimizer step, its seconds and `totals` (seconds spent
-    in the calls time_calls wraps), then zeroes `totals`."""
+    in the calls time_calls wraps), then zeroes `totals`; each step is a progress line too."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -385,11 +421,14 @@ def step_timer(totals):
             self.steps = []
 
         def on_train_begin(self, args, state, control, **kwargs):
+            progress(f"training: {args.max_steps} steps")
             self.last = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
             self.steps.append({"step": now - self.last, **totals})
+            parts = " ".join(f"{k} {v:.2f} s" for k, v in totals.items())
+            progress(f"step {state.global_step}/{args.max_steps}: {now - self.last:.2f} s {parts}")
             self.last = now
             totals.update(dict.fromkeys(totals, 0.0))
 
@@ -397,16 +436,19 @@ def step_timer(totals):
 
 
 def time_calls(obj, method, totals, key):
-    """Wrap obj.method so that its seconds add up in totals[key]."""
+    """Wrap obj.method so that its seconds add up in totals[key], a progress line as it starts and
+    as it returns (a call that never returns is the last line)."""
     inner = getattr(obj, method)
     totals[key] = 0.0
 
     def timed(*args, **kwargs):
+        progress(f"  {method} ...")
         start = time.perf_counter()
         try:
             return inner(*args, **kwargs)
         finally:
             totals[key] += time.perf_counter() - start
+            progress(f"  {method}: {time.perf_counter() - start:.2f} s")
 
     setattr(obj, method, timed)
 
@@ -432,6 +474,8 @@ def grpo_config(a, out, **vllm):
         bf16=torch.cuda.is_available(),
         gradient_checkpointing=True,
         logging_steps=1,
+        # no progress bar: step_timer's lines (and the logged metrics) show each step in the log
+        disable_tqdm=True,
         report_to="none",
         save_strategy="no",
         seed=0,
@@ -445,9 +489,12 @@ def run_trl_grpo(a, model, data, layout, **vllm):
 
     totals = {}
     cfg = grpo_config(a, os.path.join(a.work, layout), **vllm)
+    # in server mode this joins the server's weight-sync group (POST /init_weight_transfer_engine)
+    progress(f"GRPOTrainer(vllm_mode={cfg.vllm_mode if cfg.use_vllm else None}) ...")
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward_last_number, args=cfg, train_dataset=trl_dataset(data)
     )
+    progress(f"GRPOTrainer ready, n_gpu={cfg.n_gpu}, model on {trainer.model.device}")
     if cfg.use_vllm:
         time_calls(trainer.vllm_generation, "generate", totals, "gen")
         time_calls(trainer.vllm_generation, "sync_weights", totals, "sync")
@@ -508,8 +555,8 @@ def run_trl_hf(a, model, data):
 # -- `trl vllm-serve` for the server and async layouts ---------------------------------------------
 @contextlib.contextmanager
 def trl_vllm_serve(a, model):
-    """`trl vllm-serve` (it execs vLLM's own server with TRL's flags) on GPU 0, with every GPU
-    visible as for server.py; yields its URL once /health answers."""
+    """`trl vllm-serve` (it execs vLLM's own server with TRL's flags) on GPU 0 alone, as TRL's docs
+    run it; yields its URL once /health answers."""
     import requests
 
     from client import free_port, stop_server
@@ -520,9 +567,12 @@ def trl_vllm_serve(a, model):
     cmd += ["--max_model_len", str(a.max_model_len)] + ["--enforce_eager"] * a.enforce_eager
     # unknown to trl vllm-serve: passed on to vllm serve
     cmd += ["--max-num-seqs", str(a.prompts_per_step * a.group_size)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,1")
+    # the trainer hosts TRL's weight-sync group at vLLM's get_ip(), which reads VLLM_HOST_IP: both
+    # ends are on this machine. NCCL_DEBUG=INFO: each end logs the transport it took (or its error).
+    os.environ.update(VLLM_HOST_IP="127.0.0.1", NCCL_DEBUG="INFO")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
     log_path = os.path.join(a.out, f"{a.layout}-vllm-serve.log")
-    print(" ".join(cmd), flush=True)
+    progress(f"CUDA_VISIBLE_DEVICES=0 {' '.join(cmd)}")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
@@ -536,6 +586,7 @@ def trl_vllm_serve(a, model):
                 if requests.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             time.sleep(1)
+        progress(f"trl vllm-serve answers at {url}")
         yield url
     finally:
         stop_server(proc)
@@ -616,19 +667,24 @@ def run_trl_async(a, model, data):
             max_staleness=a.trl_async_max_staleness,
             # a fixed per_device_train_batch_size per micro-batch, as everywhere else
             token_budget=0,
+            # a weight sync that takes over a minute fails with the server's error (TRL: 30 min)
+            weight_sync_timeout=60,
             bf16=torch.cuda.is_available(),
             gradient_checkpointing=True,
             logging_steps=1,
+            disable_tqdm=True,
             report_to="none",
             save_strategy="no",
             seed=0,
         )
+        progress("AsyncGRPOTrainer ...")
         trainer = AsyncGRPOTrainer(
             model=model,
             reward_funcs=reward_last_number,
             args=cfg,
             train_dataset=trl_dataset(data, conversational=True),
         )
+        progress(f"AsyncGRPOTrainer ready, n_gpu={cfg.n_gpu}, model on {trainer.model.device}")
         timer = step_timer({})
         trainer.add_callback(timer)
         trainer.train()
@@ -660,6 +716,19 @@ RUNNERS = {
 
 def child(a):
     """One layout, in this process (started by main with --layout)."""
+    import logging
+    import resource
+
+    import torch
+
+    # run_layout's SIGABRT (PYTHONFAULTHANDLER=1: every Python process of the layout writes its
+    # threads' stacks) leaves no core file: an engine's address space is tens of GB
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # TRL's own progress lines (the async trainer's weight-sync phases) into the log
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("trl").setLevel(logging.INFO)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    progress(f"{a.layout}: CUDA_VISIBLE_DEVICES={visible}, {torch.cuda.device_count()} GPU(s)")
     model, data = (
         os.path.join(a.work, f"qwen2-{a.model_size}"),
         os.path.join(a.work, "prompts.jsonl"),
@@ -670,18 +739,42 @@ def child(a):
 
 
 # -- the parent: build once, run each layout in a child within the budget, compare ----------------
-def run_layout(a, name, deadline, argv):
-    """Run one layout's child with its GPUs and time limit; return its RESULT and FAILED lines.
-    Its whole output goes to --out/NAME.log; on a failure the tail is printed here."""
-    gpus, cap = LAYOUTS[name]
-    left = deadline - time.monotonic()
-    if left < 60:
-        print(f"\n[{name}] skipped: {left:.0f} s of --budget-s left", flush=True)
+def layout_limit(a, name, left, later):
+    """Seconds `name` may take: its own (LAYOUTS; x4 on --smoke's CPU) or --layout-limit-s, and no
+    more than leaves --reserve-s of the `left` budget to each of the `later` layouts."""
+    own = a.layout_limit_s or LAYOUTS[name][1] * (4 if a.smoke else 1)
+    return min(own, left - a.reserve_s * later)
+
+
+def stop_layout(proc):
+    """SIGABRT to every process of a layout's session: each Python one (PYTHONFAULTHANDLER=1)
+    writes its threads' stacks into its log as it dies. Once all are gone, or after DUMP_GRACE_S,
+    SIGKILL to whatever is left."""
+    deadline = time.monotonic() + DUMP_GRACE_S
+    # killpg raises ProcessLookupError once no process of the session is left
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGABRT)
+        while time.monotonic() < deadline:
+            proc.poll()
+            os.killpg(proc.pid, 0)
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_layout(a, name, deadline, argv, later=0):
+    """Run one layout's child with its GPUs and time limit (`later`: how many layouts run after
+    it); return its RESULT and FAILED lines. Its whole output goes to --out/NAME.log; on a failure
+    the tail is printed here."""
+    gpus = LAYOUTS[name][0]
+    limit = layout_limit(a, name, deadline - time.monotonic(), later)
+    if limit < 60:
+        print(f"\n[{name}] skipped: {limit:.0f} s of --budget-s for it", flush=True)
         return []
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
     if gpus is not None and not a.smoke:
         env["CUDA_VISIBLE_DEVICES"] = gpus
-    log_path, limit = os.path.join(a.out, f"{name}.log"), min(cap * (4 if a.smoke else 1), left)
+    log_path = os.path.join(a.out, f"{name}.log")
     print(f"\n[{name}] CUDA_VISIBLE_DEVICES={gpus or 'all'}, up to {limit:.0f} s", flush=True)
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -694,11 +787,13 @@ def run_layout(a, name, deadline, argv):
             start_new_session=True,
         )
         try:
-            proc.wait(timeout=limit)
+            proc.wait(timeout=max(limit - DUMP_GRACE_S, 1))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            print(f"[{name}] stopped after {limit:.0f} s (its time limit or the budget)")
+            stop_layout(proc)
+            print(
+                f"[{name}] stopped at its time limit (exit code {proc.returncode}); "
+                "each of its processes wrote its stacks into its log"
+            )
     with open(log_path) as f:
         lines = f.read().splitlines()
     found = [json.loads(x.split(" ", 1)[1]) | {"kind": x.split()[0]} for x in lines if is_report(x)]
@@ -706,7 +801,7 @@ def run_layout(a, name, deadline, argv):
         print(f"[{name}] {r['kind']} {r['layout']} / {r['name']}: {r.get('error', 'ok')}")
     if proc.returncode or any(r["kind"] == "FAILED" for r in found):
         print(f"[{name}] exit code {proc.returncode}; the last lines of {log_path}:")
-        print("\n".join("    " + x[:300] for x in lines[-25:]))
+        print("\n".join("    " + x[:300] for x in lines[-40:]))
     print(f"[{name}] {time.monotonic() - start:.0f} s", flush=True)
     return [r for r in found if r["kind"] == "RESULT"]
 
@@ -770,7 +865,9 @@ def main():
     if len(names) < 2 and not a.smoke:
         layouts = [n for n in layouts if n in ("ours", "trl-colocate")]
         print(f"fewer than 2 GPUs: only {layouts}, and ours on 1 GPU")
-    results = [r for name in layouts for r in run_layout(a, name, deadline, argv)]
+    results = []
+    for i, name in enumerate(layouts):
+        results += run_layout(a, name, deadline, argv, later=len(layouts) - i - 1)
     summarize(a, results)
 
 
