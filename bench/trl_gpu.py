@@ -772,7 +772,9 @@ def run_layout(a, name, deadline, argv, later=0):
         print(f"\n[{name}] skipped: {limit:.0f} s of --budget-s for it", flush=True)
         return []
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
-    if gpus is not None and not a.smoke:
+    # --smoke runs on the CPU: no GPUs to pick
+    gpus = None if a.smoke else gpus
+    if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     log_path = os.path.join(a.out, f"{name}.log")
     print(f"\n[{name}] CUDA_VISIBLE_DEVICES={gpus or 'all'}, up to {limit:.0f} s", flush=True)
