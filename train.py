@@ -116,6 +116,11 @@ class Config:
         "importance sampling",
     )
     is_cap: float = flag(2.0, "cap of the importance weights of stale samples (TIS)")
+    mismatch_warning: float = flag(
+        0.05,
+        "warn after the first step if the trainer's logprobs of the sampled tokens differ from the "
+        "server's by more than this on average (mean |trainer - server|, logged every step)",
+    )
     # evaluation: held-out prompts (never trained on), scored with the task's reward, pass@k
     eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
     eval_every: int = flag(0, "evaluate every K steps while training, and at the end (0: never)")
@@ -291,6 +296,15 @@ def score(reward_fn, completion, row) -> float:
     return float(value)
 
 
+def load_model(path, device="cpu"):
+    """The model to train, in float32. transformers' default attention (sdpa) ignores Gemma-2's
+    attention logit soft-capping, which vLLM applies: such a model gets eager attention."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+        model.set_attn_implementation("eager")
+    return model
+
+
 def warm_start(base, path, steps, seed):
     """Teach the tiny model the answer *format* ("a+b=" -> a number, then end-of-text) with
     random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums."""
@@ -298,7 +312,7 @@ def warm_start(base, path, steps, seed):
         return path
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = load_model(base)
     tok = AutoTokenizer.from_pretrained(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
@@ -317,9 +331,12 @@ def warm_start(base, path, steps, seed):
 
 # -- GRPO: advantages and the policy-gradient loss -------------------------------------------------
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """(prompts, G) rewards -> advantages normalised within each group; equal rewards -> 0."""
+    """(prompts, G) rewards -> advantages normalised within each group. A group whose rewards are
+    all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
+    `backward` can skip it."""
     mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + 1e-4)
+    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(equal, 0.0, (rewards - mean) / (std + 1e-4))
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -347,28 +364,24 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature: the server sampled from
-    softmax(logits / temperature). The vocabulary-sized logits never exist for the whole batch: the
-    hidden states go through the output layer `chunk_tokens` positions at a time (the target's logit
-    minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in backward
-    (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a 150k
-    vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
+    softmax(postprocess_logits(logits) / temperature): the logits as the family's `forward` makes
+    them. The vocabulary-sized logits never exist for the whole
+    batch: the hidden states go through the output layer `chunk_tokens` positions at a time (the
+    target's logit minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in
+    backward (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
+    150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
     ids = batch["input_ids"].to(model.device)
-    hidden = model.base_model(
-        input_ids=ids, attention_mask=batch["attention"].to(model.device)
-    ).last_hidden_state
+    attention = batch["attention"].to(model.device)
+    hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
     # (B*(T-1), H), (B*(T-1),)
-    hidden, targets = (
-        hidden[:, :-1].reshape(-1, hidden.shape[-1]),
-        ids[:, 1:].reshape(-1),
-    )
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = ids[:, 1:].reshape(-1)
+    head = model.get_output_embeddings()
     # 0 is greedy: no scaling
-    head, scale = (
-        model.get_output_embeddings(),
-        1 / temperature if temperature > 0 else 1.0,
-    )
+    scale = 1 / temperature if temperature > 0 else 1.0
 
     def chunk_logprobs(h, t):
-        logits = head(h).float() * scale  # (chunk, V)
+        logits = postprocess_logits(head(h).float(), model.config) * scale  # (chunk, V)
         return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
 
     out = [
@@ -381,6 +394,47 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
         for i in range(0, len(targets), chunk_tokens)
     ]
     return torch.cat(out).view(ids.shape[0], -1).cpu()
+
+
+def postprocess_logits(logits, config):
+    """What a family's `forward` does to the output layer's logits, read from its config. vLLM
+    applies the same (its LogitsProcessor's soft_cap and scale), so the trainer must, or it trains
+    on another distribution than the one the server samples from:
+    - Gemma-2/3: final_logit_softcapping c -> c * tanh(logits / c)
+    - Granite: logits_scaling s -> logits / s
+    - Cohere: logit_scale s -> logits * s
+    A family that does anything else (or uses these names otherwise: HyperCLOVAX multiplies by its
+    logits_scaling) is caught before training by check_logprobs, which refuses to train."""
+    config = config.get_text_config()
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    scale = (getattr(config, "logit_scale", None) or 1.0) / getattr(config, "logits_scaling", 1.0)
+    return logits * scale
+
+
+def check_logprobs(model, tok, text, atol=1e-3):
+    """Refuse to train unless token_logprobs equals log_softmax of the model's own `forward` on
+    `text`, up to `atol`: a family whose `forward` post-processes logits in a way
+    postprocess_logits does not know would otherwise train, silently, on another distribution
+    than the server's. Returns the largest difference."""
+    ids = tok(text).input_ids
+    batch = make_batch([[]], [ids], pad_id=0)
+    with torch.no_grad():
+        ours = token_logprobs(model, batch)
+        logits = model(input_ids=batch["input_ids"].to(model.device)).logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:, None]
+    theirs = logits.cpu().log_softmax(-1).gather(2, targets).squeeze(-1)
+    difference = (ours - theirs).abs().max().item()
+    # written so that NaN fails too
+    if not difference <= atol:
+        raise RuntimeError(
+            f"train.token_logprobs differs from {type(model).__name__}.forward by up to "
+            f"{difference:.3g} (logprob) on a probe: the family {model.config.model_type!r} "
+            f"post-processes its logits in a way train.postprocess_logits does not apply, so "
+            f"training would follow another distribution than the server's. Teach it there."
+        )
+    return difference
 
 
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
@@ -541,27 +595,22 @@ def evaluate(client, rows, cfg):
 
 # -- logging ---------------------------------------------------------------------------------------
 def plot(history, path, evals=()):
-    """Reward per step, the time each step spent, and a timeline of a few steps (draw_timeline).
-    `evals`: [(step, evaluate()'s result)], drawn with the reward."""
+    """Reward per step, the time each step spent, a timeline of a few steps (draw_timeline), and the
+    trainer-server mismatch (mismatch_metrics). `evals`: [(step, evaluate()'s result)], drawn with
+    the reward."""
     import matplotlib.pyplot as plt
 
     plt.switch_backend("agg")
     steps = [h["step"] for h in history]
-    fig, (ax1, ax2, ax3) = plt.subplots(
-        3, 1, figsize=(9, 10), gridspec_kw={"height_ratios": [3, 2, 2]}
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(
+        4, 1, figsize=(9, 12), gridspec_kw={"height_ratios": [3, 2, 2, 2]}
     )
     ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
-    for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][
-        ::2
-    ]:  # pass@1, pass@4, ...
-        ax1.plot(
-            [step for step, _ in evals],
-            [e[k] for _, e in evals],
-            marker="s",
-            linestyle="--",
-            label=f"held-out {k}",
-        )
+    eval_steps = [step for step, _ in evals]
+    # pass@1, pass@4, ...
+    for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][::2]:
+        ax1.plot(eval_steps, [e[k] for _, e in evals], "s--", label=f"held-out {k}")
     ax1.legend(loc="lower right", fontsize=8)
     ax1.set(
         ylabel="per sample",
@@ -569,15 +618,13 @@ def plot(history, path, evals=()):
         f"{max(h['staleness'] for h in history):.0f}",
     )
     bottom = [0.0] * len(steps)
-    for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
+    for key, color, label in [
+        ("train_s", "tab:blue", "train"),
+        ("idle_s", "tab:red", "idle (waiting for samples)"),
+        ("sync_s", "tab:green", "sync"),
+    ]:
         values = [h[key] for h in history]
-        ax2.bar(
-            steps,
-            values,
-            bottom=bottom,
-            color=color,
-            label=key.removesuffix("_s").replace("idle", "idle (waiting for samples)"),
-        )
+        ax2.bar(steps, values, bottom=bottom, color=color, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax2.plot(
         steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)"
@@ -585,6 +632,10 @@ def plot(history, path, evals=()):
     ax2.set(xlabel="optimizer step", ylabel="seconds")
     ax2.legend(loc="upper right", fontsize=8)
     draw_timeline(ax3, history)
+    for key in ("mismatch_mean", "mismatch_max", "mismatch_kl"):
+        ax4.plot(steps, [h[key] for h in history], marker=".", label=key.replace("_", " "))
+    ax4.set(xlabel="optimizer step", ylabel="trainer vs server logprobs", yscale="log")
+    ax4.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -614,9 +665,10 @@ def draw_timeline(ax, history, steps=4):
 # -- the loop --------------------------------------------------------------------------------------
 def accumulate_step(client, model, tok, rows, submitted, cfg, version):
     """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
-    each micro-batch as it lands. Returns the step's rewards, tokens, staleness and importance
-    weights, and the intervals (time.time()) of generation on the server and training here."""
-    rewards_all, tokens, staleness, weights, gen, trained = [], 0, [], [], [], []
+    each micro-batch as it lands. Returns the step's rewards, tokens, staleness, importance weights
+    and trainer-minus-server logprobs, and the intervals (time.time()) of generation on the server
+    and training here."""
+    rewards_all, tokens, staleness, weights, deltas, gen, trained = [], 0, [], [], [], [], []
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
     for mb, samples, timings in collect(client, rows, submitted, cfg):
@@ -637,12 +689,12 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version):
                 f"more than --max-staleness {cfg.max_staleness} behind"
             )
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
-        advantages = group_advantages(
-            rewards
-        ).flatten()  # (B,) within whole groups, before any split
-        n, w = backward(model, seqs, advantages, lag, cfg, tok.pad_token_id)
+        # (B,) within whole groups, before any split
+        advantages = group_advantages(rewards).flatten()
+        n, w, d = backward(model, seqs, advantages, lag, cfg, tok.pad_token_id)
         tokens += n
         weights.append(w)
+        deltas.append(d)
         rewards_all.append(rewards.flatten())
         staleness += lag.tolist()
         trained.append([t_ready, time.time()])
@@ -651,6 +703,7 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version):
         "tokens": tokens,
         "staleness": staleness,
         "is_weights": torch.cat(weights),
+        "logprob_deltas": torch.cat(deltas),
         "gen": gen,
         "train": trained,
     }
@@ -659,8 +712,19 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version):
 def backward(model, seqs, advantages, lag, cfg, pad_id):
     """Accumulate the policy gradient of `seqs` (advantages and lags (B,)), --train-micro-batch
     sequences per forward/backward: any split gives the same summed gradient. Returns the number
-    of completion tokens and the stale samples' importance weights."""
-    tokens, weights, size = 0, [], cfg.train_micro_batch or len(seqs)
+    of completion tokens, the stale samples' importance weights, and trainer minus server logprob
+    of each sampled token of the samples from the current weights (for mismatch_metrics)."""
+    # every completion token counts in the step's divisor: the skipped samples' below too
+    tokens = sum(sum(seq["mask"][1:]) for seq in seqs)
+    # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
+    # nothing to the gradient: no forward or backward for it. Its tokens stay in `tokens`, so the
+    # step's summed and normalised gradient is the one it would be without the skip.
+    keep = (advantages != 0).nonzero().flatten()
+    seqs = [seqs[i] for i in keep]
+    advantages = advantages[keep]
+    stale = lag[keep] > 0
+    weights, deltas = [torch.empty(0)], [torch.empty(0)]
+    size = cfg.train_micro_batch or max(len(seqs), 1)
     for i in range(0, len(seqs), size):
         part, sl = seqs[i : i + size], slice(i, i + size)
         batch = make_batch(
@@ -672,18 +736,12 @@ def backward(model, seqs, advantages, lag, cfg, pad_id):
         )
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
             logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
-        loss, w = pg_loss(
-            logprobs,
-            batch["old_logprobs"],
-            advantages[sl].float(),
-            batch["mask"],
-            lag[sl] > 0,
-            cfg.is_cap,
-        )
+        old, sampled = batch["old_logprobs"], batch["mask"] > 0
+        loss, w = pg_loss(logprobs, old, advantages[sl], batch["mask"], stale[sl], cfg.is_cap)
         loss.backward()  # gradients accumulate; normalised once the whole step is in
-        tokens += int(batch["mask"].sum())
-        weights.append(w[(lag[sl] > 0)[:, None] & (batch["mask"] > 0)])
-    return tokens, torch.cat(weights)
+        weights.append(w[stale[sl][:, None] & sampled])
+        deltas.append((logprobs.detach() - old)[~stale[sl][:, None] & sampled])
+    return tokens, torch.cat(weights), torch.cat(deltas)
 
 
 def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
@@ -745,8 +803,9 @@ def train(cfg: Config, client: Client, data=None):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     data, held_out = data or load_data(cfg)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(cfg.device)
+    model = load_model(cfg.model, cfg.device)
     tok = AutoTokenizer.from_pretrained(cfg.model)
+    check_logprobs(model, tok, " ".join(r["prompt"] for r in data[:4]))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         # transformers checkpoints only in training mode; the models we train have no dropout
@@ -830,6 +889,7 @@ def train(cfg: Config, client: Client, data=None):
                 save_checkpoint(cfg, model, tok, opt, step + 1, rng, rows)
             row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
+            warn_mismatch(row, cfg)
             print(json.dumps(row), file=log, flush=True)
             bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{row['step_s']:.2f}")
     evals = [(h["step"], h["eval"]) for h in history if "eval" in h]
@@ -851,20 +911,19 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
     (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
     rest of the step, when the trainer waited for samples."""
     gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
-    train_s, sync_s, step_s = (
-        sum(b - a for a, b in s["train"]),
-        s["sync"][0][1] - s["sync"][0][0],
-        time.time() - t_step,
-    )
-    # no stale samples: weight 1
-    rewards, w = (
-        s["rewards"],
-        s["is_weights"] if len(s["is_weights"]) else torch.ones(1),
-    )
+    train_s = sum(b - a for a, b in s["train"])
+    sync_s = s["sync"][0][1] - s["sync"][0][0]
+    step_s = time.time() - t_step
+    rewards = s["rewards"]
+    groups = rewards.view(-1, cfg.group_size)
+    # no stale samples: weight 1, none clipped
+    w = s["is_weights"] if len(s["is_weights"]) else torch.ones(1)
     row = {
         "step": step,
         "reward": rewards.mean().item(),
         "accuracy": (rewards >= cfg.success_threshold).float().mean().item(),
+        # TRL's name: the groups skipped by backward, all rewards equal
+        "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
         "schedule": cfg.schedule,
         "grad_norm": s["grad_norm"],
@@ -878,9 +937,8 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
         "staleness": sum(s["staleness"]) / len(s["staleness"]),
         "is_weight_mean": w.mean().item(),
         "is_weight_max": w.max().item(),
-        "is_clipped": (w >= cfg.is_cap).float().mean().item()
-        if len(s["is_weights"])
-        else 0.0,  # none stale: none clipped
+        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(s["is_weights"]) else 0.0,
+        **mismatch_metrics(s["logprob_deltas"]),
         "intervals": {
             k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]]
             for k in ("gen", "train", "sync")
@@ -889,6 +947,37 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
+
+
+def mismatch_metrics(deltas):
+    """How far the trainer's logprobs of the sampled tokens are from the server's (its processed
+    logprobs: at the sampling temperature, as sampled). `deltas`: trainer minus server, one per
+    token trained on, from the samples of the current weights only: a stale sample's difference
+    would include one step of policy change (with --max-staleness 1 only step 0 has such samples;
+    is_weight_* then measures both together). mismatch_kl is the k3 estimate of KL(server ||
+    trainer), mean over tokens of exp(d) - 1 - d: unbiased, since the server sampled the tokens,
+    and never negative. None when no token qualifies."""
+    if not len(deltas):
+        return dict.fromkeys(("mismatch_mean", "mismatch_max", "mismatch_kl"))
+    return {
+        "mismatch_mean": deltas.abs().mean().item(),
+        "mismatch_max": deltas.abs().max().item(),
+        "mismatch_kl": (deltas.exp() - 1 - deltas).mean().item(),
+    }
+
+
+def warn_mismatch(row, cfg):
+    """At the first step (`row`'s), a loud warning if the trainer and the server disagree on the
+    sampled tokens' logprobs by more than --mismatch-warning on average."""
+    if row["step"] == 0 and (row["mismatch_mean"] or 0.0) > cfg.mismatch_warning:
+        print(
+            f"\nWARNING: the trainer's logprobs of the sampled tokens differ from the server's by "
+            f"{row['mismatch_mean']:.3g} on average (max {row['mismatch_max']:.3g}), above "
+            f"--mismatch-warning {cfg.mismatch_warning}. Usual causes: another tokenizer or chat "
+            f"template on the two sides, the served --dtype, the family's logit post-processing.\n",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def final_eval(client, held_out, cfg):

@@ -119,7 +119,7 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, _ = train.backward(
+    tokens, _, _ = train.backward(
         model, seqs, advantages, torch.zeros(len(seqs), dtype=torch.long), cfg, pad_id=1
     )
     model.gradient_checkpointing_disable()
