@@ -418,13 +418,11 @@ def check_logprobs(model, tok, text, atol=1e-3):
     `text`, up to `atol`: a family whose `forward` post-processes logits in a way
     postprocess_logits does not know would otherwise train, silently, on another distribution
     than the server's. Returns the largest difference."""
-    ids = tok(text).input_ids
-    batch = make_batch([[]], [ids], pad_id=0)
+    batch = make_batch([[]], [tok(text).input_ids], pad_id=0)
     with torch.no_grad():
         ours = token_logprobs(model, batch)
         logits = model(input_ids=batch["input_ids"].to(model.device)).logits[:, :-1].float()
-    targets = batch["input_ids"][:, 1:, None]
-    theirs = logits.cpu().log_softmax(-1).gather(2, targets).squeeze(-1)
+    theirs = logits.cpu().log_softmax(-1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(-1)
     difference = (ours - theirs).abs().max().item()
     # written so that NaN fails too
     if not difference <= atol:
