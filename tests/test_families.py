@@ -3,7 +3,8 @@ nothing is downloaded) the server agrees with transformers and with the trainer,
 a weight push. Some families change their logits after the output layer (Gemma-2/3 soft-capping,
 Granite's scalings): vLLM applies that, so the trainer must too.
 
-Run: .venv/bin/python -m pytest tests/test_families.py   (one server per family, ~30-60 s each)
+Run: .venv/bin/python -m pytest tests/test_families.py   (one server per family; ten took 12.5 min
+on 2 shared CPU cores)
 On a GPU machine the servers run on the GPU (conftest.GPU_FLAGS); transformers and the trainer
 stay on the CPU in float32, as in the other tests.
 """
