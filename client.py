@@ -31,8 +31,6 @@ from datetime import timedelta
 import requests
 import torch
 import torch.distributed as dist
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSPORTS = ("ipc", "nccl", "gloo")
@@ -230,11 +228,13 @@ def unpack(buffer: torch.Tensor, params):
 
 # -- the client ------------------------------------------------------------------------------------
 class ServerError(Exception):
-    """The server answered with an error; `status` is the HTTP code, the message is the server's."""
+    """The server answered with an error; `status` is the HTTP code, the message is the server's.
+    `engine_dead`: the server's vLLM engine died (the message says why), and will not come back
+    until the server restarts; other 503s (busy, updating, draining) pass."""
 
-    def __init__(self, status, message):
+    def __init__(self, status, message, engine_dead=False):
         super().__init__(f"{status}: {message}")
-        self.status, self.message = status, message
+        self.status, self.message, self.engine_dead = status, message, engine_dead
 
 
 class RemoteFuture:
@@ -259,35 +259,18 @@ class Client:
     """`with Client(url) as client:` aborts the requests it submitted and never fetched if the
     block raises (a trainer that fails mid-step leaves nothing generating on the server)."""
 
-    def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0, api_key=None, retries=8):
-        """`api_key` (default: $VLLM_API_KEY) for a server started with --api-key; `retries`: how
-        often health checks and result polls are retried while the server cannot be reached."""
+    def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0, api_key=None):
+        """`api_key` (default: $VLLM_API_KEY) for a server started with --api-key. Nothing is
+        retried: a server that cannot be reached is a ConnectionError at once (a trainer waits
+        for one that restarts: train.reconnect)."""
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
         key = api_key or os.environ.get("VLLM_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = requests.Session()  # generate, rollout, weight sync: never sent twice
-        # health and get_future polls are safe to repeat: retry them when the server cannot be
-        # reached (e.g. while it restarts), backing off 0.5, 1, 2, ... s (at most 8 s; ~45 s for 8
-        # tries)
-        self.retrying = requests.Session()
-        retry = Retry(
-            total=retries,
-            connect=retries,
-            read=0,
-            status=0,
-            other=0,
-            backoff_factor=0.5,
-            backoff_max=8,
-            allowed_methods=None,
-        )
-        self.retrying.mount(self.base_url, HTTPAdapter(max_retries=retry))
+        self.http = requests.Session()
         self.pending = set()  # ids submitted and not yet fetched
         self.group, self.transport, self.spec, self.dtype = None, None, None, None
         # two send buffers, reused between updates (ipc: the server keeps them open)
-        self.buffers = [
-            None,
-            None,
-        ]
+        self.buffers = [None, None]
 
     def __enter__(self):
         return self
@@ -309,16 +292,17 @@ class Client:
             raise ConnectionError(f"server unreachable at {self.base_url}: {e}") from None
         if r.status_code >= 400:
             try:
-                message = r.json()["error"]
+                reply = r.json()
+                message = reply["error"]
                 # the /v1 routes: OpenAI's shape
                 message = message["message"] if isinstance(message, dict) else message
             except (ValueError, KeyError, TypeError):
-                message = r.text
-            raise ServerError(r.status_code, message)
+                reply, message = {}, r.text
+            raise ServerError(r.status_code, message, reply.get("engine_dead", False))
         return r.json()
 
     def health(self, timeout=10.0):
-        return self._request("GET", "/health", timeout=timeout, http=self.retrying)
+        return self._request("GET", "/health", timeout=timeout)
 
     def abort(self, request_id):
         """Cancel a submitted request on the server (its prompts stop generating) and free it."""
@@ -425,7 +409,6 @@ class Client:
                     "/get_future",
                     {**body, "timeout": wait},
                     timeout=wait + 30,
-                    http=self.retrying,
                 )
                 break
             except ServerError as e:
@@ -593,6 +576,19 @@ class Client:
 
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_missing(model) -> str:
+    """What is wrong with a model folder that has no tokenizer (transformers' own error blames
+    sentencepiece or tiktoken instead); "" for any other model, or a hub id."""
+    if os.path.isdir(model or "") and not any(
+        os.path.exists(os.path.join(model, name)) for name in TOKENIZER_FILES
+    ):
+        return f"model folder {model} has none of the tokenizer files {', '.join(TOKENIZER_FILES)}"
+    return ""
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -604,35 +600,20 @@ def launch_server(
 ):
     """Start `python server.py *flags` (on free ports unless given); return (process, Client) once
     it is up."""
-    port, group_port, key = (
-        port or free_port(),
-        group_port or free_port(),
-        ("--api-key", api_key) if api_key else (),
-    )
+    port, group_port = port or free_port(), group_port or free_port()
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
+    command = [sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                server,
-                "--port",
-                str(port),
-                "--group-port",
-                str(group_port),
-                *flags,
-                *key,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    client = Client(f"http://127.0.0.1:{port}", api_key=api_key, retries=0)
+        key = ["--api-key", api_key] if api_key else []
+        proc = subprocess.Popen(command + key, stdout=log, stderr=subprocess.STDOUT)
+    client = Client(f"http://127.0.0.1:{port}", api_key=api_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode}; see {log_path}")
         try:
             client.health(timeout=2)
-            return proc, Client(client.base_url, api_key=api_key)
+            return proc, client
         except ConnectionError:
             time.sleep(0.5)
     stop_server(proc)

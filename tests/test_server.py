@@ -3,12 +3,14 @@
 Run: .venv/bin/python -m pytest tests/test_server.py
 """
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from client import Client, ServerError
+import train
+from client import Client, ServerError, free_port
 
 
 def post(client, path, **kwargs):
@@ -145,3 +147,46 @@ def test_prompt_longer_than_the_model_is_a_4xx_at_get_future(client):
 def test_client_reports_an_unreachable_server():
     with pytest.raises(ConnectionError, match="unreachable"):
         Client("http://127.0.0.1:9", timeout=5).health()
+
+
+def test_a_request_id_listed_twice_is_a_400_and_its_result_stays(client):
+    future = client.generate(["twice"], max_tokens=4, is_async=True)
+    r = post(client, "/get_future", json={"request_ids": [future.request_id] * 2})
+    assert r.status_code == 400 and "twice" in r.json()["error"]
+    [[c]] = future.result()
+    assert 1 <= len(c.token_ids) <= 4
+
+
+def test_a_second_waiter_on_one_request_gets_a_409_and_the_first_its_result(client):
+    future = client.generate(["wait"], n=4, max_tokens=1000, ignore_eos=True, is_async=True)
+    body = {"request_id": future.request_id, "timeout": 300}
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda _: post(client, "/get_future", json=body), range(2)))
+    assert sorted(r.status_code for r in replies) == [200, 409], [r.text[:200] for r in replies]
+    [done] = [r.json() for r in replies if r.status_code == 200]
+    assert [len(c["token_ids"]) for c in done["completions"][0]] == [1000] * 4
+
+
+def test_an_abort_while_a_caller_waits_answers_it_404_not_500(client):
+    future = client.generate(["abort me"], max_tokens=1500, ignore_eos=True, is_async=True)
+    body = {"request_id": future.request_id, "timeout": 300}
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(post, client, "/get_future", json=body)
+        time.sleep(0.5)  # the caller is waiting
+        future.abort()
+        assert waiting.result().status_code == 404
+
+
+def test_train_reports_an_unreachable_server_url_at_once_in_one_line(model_path, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as unreachable:
+        train.main(["--model", model_path, "--server-url", url, "--out", str(tmp_path)])
+    message = str(unreachable.value.code)
+    assert "unreachable" in message and url in message and "\n" not in message
+
+
+def test_train_refuses_a_dtype_that_the_server_does_not_serve(client, model_path, tmp_path):
+    argv = ["--model", model_path, "--server-url", client.base_url, "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as refused:
+        train.main([*argv, "--dtype", "bfloat16", "--steps", "1"])
+    assert "bfloat16" in str(refused.value.code) and "float32" in str(refused.value.code)
