@@ -404,12 +404,7 @@ class Client:
         while True:
             wait = min(60.0, max(deadline - waited, 0.0))
             try:
-                reply = self._request(
-                    "POST",
-                    "/get_future",
-                    {**body, "timeout": wait},
-                    timeout=wait + 30,
-                )
+                reply = self._request("POST", "/get_future", {**body, "timeout": wait}, wait + 30)
                 break
             except ServerError as e:
                 waited += wait

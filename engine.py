@@ -16,7 +16,6 @@ Each vLLM call that may change between releases is one small function next to it
 
 import ast
 import asyncio
-import contextlib
 import logging
 import operator
 import os
@@ -24,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 
 import torch
 from vllm import SamplingParams
@@ -73,7 +72,7 @@ class Engine:
         if self.load_error or not self.llm.errored:
             return self.load_error
         cause = "no worker logged an error (killed? out of memory?); see the server log"
-        with contextlib.suppress(FileNotFoundError), open(self.worker_errors) as f:
+        with suppress(FileNotFoundError), open(self.worker_errors) as f:
             cause = f.read().strip().splitlines()[-1]
         return f"vLLM's engine core died: {cause}"
 

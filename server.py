@@ -183,11 +183,7 @@ def check_room(app, count=1):
     submitted, all of a call's requests at once: a call is taken whole or not at all. (A weight
     update, once announced, is never refused for room.)"""
     if len(app[STATE].tasks) + count > app[STATE].opts.max_pending:
-        raise ApiError(
-            429,
-            f"{len(app[STATE].tasks)} results are waiting to be fetched (--max-pending); "
-            "fetch or abort some",
-        )
+        raise ApiError(429, f"{len(app[STATE].tasks)} results wait unfetched (--max-pending)")
 
 
 def submit(app, body, work) -> str:
@@ -1102,10 +1098,9 @@ def parse_args(argv=None):
         help="seconds a finished result waits to be fetched before it is dropped",
     )
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
-    # the OpenAI routes record the calls sent with an X-Session-ID header (each call's prompt and
-    # completions: its tokens); beyond these bounds a call is a 429. A session ends when deleted,
-    # --result-ttl s after its last call, or --max-session-age s after its first.
-    g = p.add_argument_group("sessions (calls recorded by X-Session-ID)")
+    # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
+    # prompt and completions: its tokens); beyond these bounds a call is a 429. A session ends
+    # when deleted, --result-ttl s after its last call, or --max-session-age s after its first.
     g.add_argument(
         "--max-session-tokens", type=int, default=10**6, help="most tokens in one session"
     )

@@ -75,9 +75,7 @@ class Config:
     max_turns: int = flag(3, "calculator task: model turns per episode")
     # the trainer keeps float32; a server at --server-url serves its own --dtype, and another
     # one given here is an error
-    dtype: str = flag(
-        "", "dtype of the served weights: float32 here; with --server-url, the server's"
-    )
+    dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
     server_url: str = flag("", "a running server.py (default: start one on the model)")
     server_args: str = flag(
         "", "flags for the server train.py starts, e.g. '--max-model-len 512 --max-num-seqs 64'"

@@ -18,9 +18,8 @@ import pytest
 import requests
 
 import train
-from client import Client, ServerError, free_port, launch_server, stop_server
+from client import Client, ServerError, free_port, launch_server, stop_server, tiny_model
 from conftest import GPU_FLAGS
-from engine import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTES = [
