@@ -68,13 +68,15 @@ class Engine:
     @property
     def error(self) -> str | None:
         """Why the engine can no longer serve, if it cannot: for a dead engine core, the last
-        error its workers logged (one killed, e.g. for lack of memory, logs none)."""
+        error its workers logged. That is the cause when the engine died of an exception in a worker
+        (vLLM keeps it in their log only); a worker killed, e.g. for lack of memory, logs none, and
+        an earlier error that the engine survived (a failed weight transfer) may then be named."""
         if self.load_error or not self.llm.errored:
             return self.load_error
-        cause = "no worker logged an error (killed? out of memory?); see the server log"
+        cause = "none (a worker killed? out of memory?); see the server log"
         with suppress(FileNotFoundError), open(self.worker_errors) as f:
             cause = f.read().strip().splitlines()[-1]
-        return f"vLLM's engine core died: {cause}"
+        return f"vLLM's engine core died; the last error its workers logged: {cause}"
 
     async def warm_up(self):
         """Have the workers log errors where `error` reads them, then generate two tokens: a model
