@@ -105,9 +105,8 @@ class Config:
     schedule: str = flag(
         "overlap",
         "overlap: submit the whole step, train on micro-batches of prompts in the order their "
-        "groups finish; overlap-priority: N requests, finishing in order on a throttled "
-        "server; sync-batch: generate the whole step as one batch, then train",
-        ["overlap", "overlap-priority", "sync-batch"],
+        "groups finish; sync-batch: generate the whole step as one batch, then train",
+        ["overlap", "sync-batch"],
     )
     max_staleness: int = flag(
         0,
@@ -160,11 +159,6 @@ class Config:
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
-
-    @property
-    def micro_batch_seqs(self):
-        """Sequences in one micro-batch of a step: what overlap-priority admits at a time."""
-        return self.prompts_per_step // self.micro_batches * self.group_size
 
 
 def parse_config(argv=None) -> Config:
@@ -487,7 +481,7 @@ def requester(client, cfg):
 def submit(client, rows, cfg, min_version=0):
     """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
     `min_version` the server holds them until those weights are loaded (no round trip needed)."""
-    request, N, size = requester(client, cfg), cfg.micro_batches, len(rows) // cfg.micro_batches
+    request = requester(client, cfg)
     sampling = dict(
         n=cfg.group_size,
         temperature=cfg.temperature,
@@ -509,13 +503,6 @@ def submit(client, rows, cfg, min_version=0):
                 client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling),
             )
         )
-    # N requests, lower priority first, on a throttled server
-    if cfg.schedule == "overlap-priority":
-        chunks = [rows[i * size : (i + 1) * size] for i in range(N)]
-        return [
-            (c, request([r["prompt"] for r in c], priority=i, **sampling))
-            for i, c in enumerate(chunks)
-        ]
     # sync-batch: the whole step as one request
     return [(rows, request([r["prompt"] for r in rows], **sampling))]
 
@@ -536,10 +523,6 @@ def collect(client, rows, submitted, cfg):
             if len(done) == size:
                 yield [r for r, _, _ in done], [g for _, g, _ in done], [m for _, _, m in done]
                 done = []
-    # in submission order: the throttled server finishes them so
-    elif cfg.schedule == "overlap-priority":
-        for chunk, future in submitted:
-            yield chunk, future.result(), [future.timing]
     else:  # sync-batch: wait for the whole step, then train on its slices
         [(_, future)] = submitted
         results = future.result()
@@ -812,15 +795,6 @@ def train(cfg: Config, client: Client, data=None):
     start, rows, history = start_run(cfg, opt, rng, data)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
-    if (
-        cfg.schedule == "overlap-priority"
-        and (decoded := client.health()["max_num_seqs"]) != cfg.micro_batch_seqs
-    ):
-        print(
-            f"warning: overlap-priority wants a server started with "
-            f"--max-num-seqs {cfg.micro_batch_seqs} (one micro-batch at a time); this one decodes "
-            f"{decoded} at once, so micro-batches may not finish in order"
-        )
     os.makedirs(cfg.out, exist_ok=True)
     t_run, submitted = time.time(), None
     # `with client`: if anything below raises, the requests still generating on the server are
@@ -1057,17 +1031,11 @@ def main(argv=None):
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.server_url:
         return run(Client(cfg.server_url))
-    # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a
-    # time
-    throttle = (
-        ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.schedule == "overlap-priority" else ()
-    )
     proc, client = launch_server(
         "--model",
         cfg.model,
         "--dtype",
         cfg.dtype,
-        *throttle,
         "--gpu-memory-utilization",
         str(cfg.gpu_memory_utilization),
         "--seed",

@@ -25,8 +25,6 @@ each on the server settings it needs:
   overlap           the default: the whole step submitted at once, micro-batches of prompts trained
                     on in the order their groups finish; unthrottled server
   overlap K=1       the same with --max-staleness 1: step s+1 generates while step s trains
-  overlap-priority  N requests finishing in order on a server throttled to one micro-batch
-                    (--max-num-seqs); the older schedule, kept for comparison
 Each run first pushes the checkpoint's weights, so all start from one policy.
 
 The workload: a Qwen2 from `client.tiny_model` that is *not* warm-started, sampling at temperature 1
@@ -192,13 +190,6 @@ def main():
         # the server's default is float32
         server_flags = () if args.dtype == "float32" else ("--dtype", args.dtype)
         trainer = {"dtype": args.dtype}
-    # overlap-priority: one micro-batch at a time
-    seqs = train.Config(
-        model=model,
-        prompts_per_step=args.prompts_per_step,
-        micro_batches=args.micro_batches,
-        group_size=args.group_size,
-    ).micro_batch_seqs
     if gpu:
         print(
             f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the servers), "
@@ -210,7 +201,6 @@ def main():
         "sync-batch": ("sync-batch", 0, ()),
         "overlap": ("overlap", 0, ()),
         "overlap K=1": ("overlap", 1, ()),
-        "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs))),
     }
     os.makedirs(args.out, exist_ok=True)
     results, histories = {}, {}
@@ -282,7 +272,6 @@ def main():
         f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
         f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}"
     )
-    print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
     draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
 
 

@@ -215,7 +215,7 @@ def test_reward_reads_the_last_number():
     assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "overlap-priority", "sync-batch"])
+@pytest.mark.parametrize("schedule", ["overlap", "sync-batch"])
 def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, schedule):
     v0 = server.health()["version"]
     cfg = train.Config(
