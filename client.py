@@ -6,8 +6,8 @@
     ...                                                                    # train on something else
     completions = future.result()
 
-    client.init_communicator()                   # the trainer chooses the transport; the server
-    follows version = client.update_model_params(model)  # one HTTP call, then the packed buckets
+    client.init_communicator()          # the trainer chooses the transport; the server follows
+    version = client.update_model_params(model)  # one HTTP call, the packed buckets meanwhile
     client.close_communicator()
 
 Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
@@ -17,6 +17,7 @@ engine.py imports the payloads and the weight-group code from here: a trainer ne
 
 import base64
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -296,7 +297,8 @@ class Client:
         if error is not None:
             self.abort_pending()
 
-    def _request(self, method, path, body=None, timeout=None, http=None):
+    def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
+        """The answer's JSON; with `stream`, the response itself, to read as it comes."""
         try:
             r = (http or self.http).request(
                 method,
@@ -304,6 +306,7 @@ class Client:
                 json=body,
                 timeout=timeout or self.timeout,
                 headers=self.headers,
+                stream=stream,
             )
         except requests.ConnectionError as e:
             raise ConnectionError(f"server unreachable at {self.base_url}: {e}") from None
@@ -315,7 +318,7 @@ class Client:
             except (ValueError, KeyError, TypeError):
                 message = r.text
             raise ServerError(r.status_code, message)
-        return r.json()
+        return r if stream else r.json()
 
     def health(self, timeout=10.0):
         return self._request("GET", "/health", timeout=timeout, http=self.retrying)
@@ -525,12 +528,12 @@ class Client:
 
     def update_model_params(self, model, bucket_mb=32):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version. Tied weights are sent once, cast to the server's dtype. Two phases: POST
-        /update_weights announces every tensor (name, dtype, shape, offset in its bucket) and
-        answers once the server has drained and its workers are receiving; only then do we send, so
-        a slow drain cannot time our sends out. ipc: one buffer the workers copy from; nccl/gloo:
-        buckets of at most `bucket_mb` MiB, through two alternating buffers (one is packed while one
-        travels)."""
+        weight version. Tied weights are sent once, cast to the server's dtype. One call: POST
+        /update_weights announces every tensor (name, dtype, shape, offset in its bucket); the
+        server answers a first line once it has drained and its workers receive, and only then do
+        we send, so a slow drain cannot time our sends out; its second line is the new version.
+        ipc: one buffer the workers copy from; nccl/gloo: buckets of at most `bucket_mb` MiB,
+        through two alternating buffers (one is packed while one travels)."""
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
@@ -540,42 +543,43 @@ class Client:
             fill(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
-        # phase 1; a 4xx here means nothing was sent, and the group stays as it is
-        reply = self._request(
-            "POST",
-            "/update_weights",
-            {"buckets": [b for b, _ in buckets]},
-            timeout=self.weight_sync_timeout * 2 + 30,
+        # an error status here means nothing was sent, and the group stays as it is
+        answer = self._request(
+            "POST", "/update_weights", {"buckets": [b for b, _ in buckets]}, stream=True
         )
-        try:  # phase 2
-            start = time.perf_counter()
-            if self.transport != "ipc":
-                sending = [None, None]  # the work in flight from each buffer
-                for i, (bucket, tensors) in enumerate(buckets):
-                    if sending[i % 2] is not None:
-                        # its buffer is ours again
-                        finish(*sending[i % 2], self.weight_sync_timeout)
-                    buffer = self._buffer(i % 2, bucket["size"])
-                    fill(buffer, bucket, tensors)
-                    sending[i % 2] = (
-                        self.group.broadcast([buffer], dist.BroadcastOptions()),
-                        buffer,
-                    )
-                for work in filter(None, sending):
-                    finish(*work, self.weight_sync_timeout)
-            # packing and sending every bucket; ipc: nothing to send
-            send_s = time.perf_counter() - start
-            self.last_update = {
-                "send_s": send_s,
-                **self.get_future(
-                    reply["request_id"], self.weight_sync_timeout * (1 + len(buckets))
-                ),
-            }
-        except Exception:
-            self._drop_group()  # a failed update: the server's workers left the group too
-            raise
+        with answer:
+            try:
+                lines = answer.iter_lines()
+                read_line(lines)  # {"receiving": true}
+                start = time.perf_counter()
+                self._send_buckets(buckets)
+                # packing and sending every bucket; ipc: nothing to send
+                send_s = time.perf_counter() - start
+                result = read_line(lines)
+            except Exception:
+                self._drop_group()  # a failed update: the server's workers left the group too
+                raise
+        if "error" in result:  # the workers left the group, or the server exits
+            self._drop_group()
+            raise ServerError(result["status"], result["error"])
         # and send_s here, receive_s and load_s in the workers: where the time went
-        return self.last_update["version"]
+        self.last_update = {"send_s": send_s, **result}
+        return result["version"]
+
+    def _send_buckets(self, buckets):
+        """Broadcast the buckets (nccl/gloo), packing each next one while the last one travels."""
+        if self.transport == "ipc":
+            return
+        sending = [None, None]  # the work in flight from each buffer
+        for i, (bucket, tensors) in enumerate(buckets):
+            if sending[i % 2] is not None:
+                # its buffer is ours again
+                finish(*sending[i % 2], self.weight_sync_timeout)
+            buffer = self._buffer(i % 2, bucket["size"])
+            fill(buffer, bucket, tensors)
+            sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
+        for work in filter(None, sending):
+            finish(*work, self.weight_sync_timeout)
 
     def _named_tensors(self, model):
         """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens)
@@ -590,6 +594,17 @@ class Client:
             for name, t in items
             if name in self.spec or t.data_ptr() not in known
         ]
+
+
+def read_line(lines):
+    """The next JSON line of an answer read as it comes (/update_weights)."""
+    try:
+        line = next(lines, None)
+    except requests.RequestException as e:
+        raise ConnectionError(f"the server went away mid-answer: {e}") from None
+    if line is None:
+        raise ConnectionError("the server closed its answer early")
+    return json.loads(line)
 
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------

@@ -7,7 +7,8 @@ In reading order:
 1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
    it.
    `update_weights` closes the gate, drains, loads, bumps the version and reopens: no completion
-   mixes two.
+   mixes two. An update is atomic: it bumps the version, or keeps the old weights and version, or
+   the engine fails for good and the server exits.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -55,7 +56,7 @@ class Engine:
         self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
         self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
-        self.load_error = None  # set when an update failed while loading: the weights are mixed
+        self.load_error = None  # set when an update failed while loading: the server then exits
         self.tokenizer = self.llm.tokenizer
         # most sequences decoded at once
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
@@ -118,40 +119,67 @@ class Engine:
         """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
         version; returns it and the workers' timings. `ready` (a future) is resolved once the
         workers are told to receive: the trainer may send. A drain longer than `drain_timeout`
-        changes nothing (TimeoutError); a failed receive keeps the old weights and version; a load
-        that fails part-way leaves mixed weights, so the engine marks itself failed (`self.error`)
-        and refuses requests."""
+        changes nothing (TimeoutError), and nothing was sent. From `ready` on, an update is atomic
+        (see `load`)."""
         async with self.update_lock:
             self.gate.clear()  # new requests wait at the gate
             try:
-                async with self.idle:  # let in-flight requests finish on the old version
-                    try:
-                        await asyncio.wait_for(
-                            self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout
-                        )
-                    except asyncio.TimeoutError:
-                        raise TimeoutError(
-                            f"{self.in_flight} prompts still generating after the drain timeout "
-                            f"of {drain_timeout} s; nothing was sent"
-                        ) from None
+                await self.drain(drain_timeout)
                 if ready is not None:
                     ready.set_result(None)
-                answers = await self.llm.collective_rpc(
-                    "receive_weights",
-                    timeout=weight_sync_timeout * (1 + len(buckets)),
-                    args=(buckets,),
-                )
-                if failed := [a["load_error"] for a in answers if "load_error" in a]:
-                    self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
-                    raise RuntimeError(self.load_error)
-                # old KV must not be reused
-                await asyncio.wait_for(self.llm.reset_prefix_cache(), weight_sync_timeout)
-                self.version += 1
-                async with self.new_version:
-                    self.new_version.notify_all()
-                return self.version, answers[0]
+                return await self.load(buckets, weight_sync_timeout)
             finally:
                 self.gate.set()
+
+    async def drain(self, timeout):
+        """Let the requests in flight finish on the old version, within `timeout` seconds."""
+        async with self.idle:
+            try:
+                await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"{self.in_flight} prompts still generating after the drain timeout "
+                    f"of {timeout} s; nothing was sent"
+                ) from None
+
+    async def load(self, buckets, timeout):
+        """Receive and load in every worker, reset the prefix cache, bump the version. It ends in
+        one of three ways (the server never cancels it: an update is no entry of its futures table):
+        - the version goes up by one: every worker loaded the new weights, the cache was reset;
+        - ConnectionError: the weights never arrived (the trainer died or timed out), nothing was
+          loaded, the old weights and version stay;
+        - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
+          part-way, or a worker did not answer, or the prefix cache (which may hold the old
+          weights' KV) was not reset. The weights may be mixed: no request is served any more, and
+          the server exits non-zero (server.watch_engine), as when vLLM's engine dies, so that a
+          supervisor restarts it on its checkpoint. We do not wait for a later push to heal it:
+          what made a load fail (a CUDA error, a model family we load wrongly) usually stays."""
+        try:
+            answers = await self.llm.collective_rpc(
+                "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
+            )
+        except Exception as e:
+            self.fail(f"a worker did not answer the update: {e!r}")
+        missed = [a["receive_error"] for a in answers if "receive_error" in a]
+        if len(missed) == len(answers):
+            raise ConnectionError(f"the new weights did not arrive: {missed[0]}")
+        if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
+            self.fail(f"a worker failed to load its weights: {failed[0]}")
+        try:
+            # old KV must not be reused
+            reset = await asyncio.wait_for(self.llm.reset_prefix_cache(), timeout)
+        except Exception as e:
+            reset = e
+        if reset is not True:
+            self.fail(f"the prefix cache was not reset after a load ({reset!r})")
+        self.version += 1
+        async with self.new_version:
+            self.new_version.notify_all()
+        return self.version, answers[0]
+
+    def fail(self, why):
+        self.load_error = f"weights possibly mixed by a failed update: {why}"
+        raise RuntimeError(self.load_error)
 
     async def wait_for_version(self, version, timeout):
         """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
@@ -239,7 +267,7 @@ class WeightSyncWorker:
     that exists before a server starts and after it restarts, so it hosts the group's store, and
     it is the root of every broadcast (weights only ever flow from trainer to workers)."""
 
-    transport, group, ipc_buffers = None, None, []
+    transport, group, ipc_buffers, loads = None, None, [], 0
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()
@@ -263,9 +291,9 @@ class WeightSyncWorker:
         self.transport, self.group, self.ipc_buffers = None, None, []
 
     def receive_weights(self, buckets):
-        """Receive every bucket, then load them all at once: a trainer that dies mid-transfer leaves
-        the old weights (the group is dropped and the error raised). A failure *while loading* is
-        returned as {"load_error": ...}: the engine then knows its weights are mixed."""
+        """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
+        the old weights: the group is dropped and {"receive_error": ...} returned. A failure *while
+        loading* is returned as {"load_error": ...}: the engine then knows its weights are mixed."""
         start = time.perf_counter()
         try:
             received = []
@@ -290,11 +318,17 @@ class WeightSyncWorker:
                     broadcast(self.group, buffer, self.weight_sync_timeout)
                     # gloo: one copy to the GPU per bucket
                     received += unpack(buffer.to(self.device), b["params"])
-        except Exception:
+        except Exception as e:
             self.close_communicator()
-            raise
+            return {"receive_error": f"{type(e).__name__}: {e}"}
         received_at = time.perf_counter()
+        self.loads += 1
         try:
+            # a test-only hook, set in a server's environment by tests/test_weight_sync.py: the
+            # Nth load of this worker fails after loading half its tensors, as a real load may
+            if self.loads == int(os.environ.get("ASYNC_GRPO_FAIL_LOAD", 0)):
+                load_weights(self.model_runner, received[: len(received) // 2])
+                raise RuntimeError("ASYNC_GRPO_FAIL_LOAD: failed after half the tensors")
             load_weights(self.model_runner, received)
         except Exception as e:
             return {"load_error": f"{type(e).__name__}: {e}"}

@@ -538,9 +538,15 @@ def check_buckets(buckets, spec, dtype, transport):
 
 
 async def update_weights(request):
-    """Phase 1 of an update: validate, drain, tell the workers to receive; answer 202 with a
-    request id once they are receiving. The trainer then sends and collects the new version
-    (and the workers' receive_s and load_s) with /get_future."""
+    """One weight update in one call, answered as two JSON lines: {"receiving": true} once the
+    workers receive (only then does the trainer send, so a long drain cannot time its sends out),
+    then {"version", "receive_s", "load_s"} once loaded, or {"error", "status"}. An update is no
+    entry of the futures table: once its workers receive, nothing cancels it (no /abort, no full
+    table, no dropped connection), and it ends as Engine.load says: the version bumped; the old
+    weights and version kept (status 502: the transfer failed; set up weight sync again); or the
+    server exiting non-zero (500: a failed load may have mixed the weights). Before the first line:
+    400 for a wrong announcement, 409 without weight sync, 503 for a drain longer than
+    --drain-timeout (nothing was sent: try again)."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
@@ -554,7 +560,17 @@ async def update_weights(request):
         raise ApiError(
             503, f"weight update refused, version {engine.version} kept: {task.exception()}"
         )
-    return web.json_response({"request_id": submit(request.app, body, task)}, status=202)
+    answer = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await answer.prepare(request)
+    await answer.write(b'{"receiving": true}\n')
+    # asyncio.wait never cancels the task, even when this call is cancelled
+    await asyncio.wait([task])
+    error = task.exception()
+    result = (
+        {"error": str(error), "status": 500 if engine.error else 502} if error else task.result()
+    )
+    await answer.write(json.dumps(result).encode() + b"\n")
+    return answer
 
 
 async def run_update(app, buckets, ready):
@@ -565,9 +581,7 @@ async def run_update(app, buckets, ready):
         )
     except Exception as e:
         if engine.error:
-            raise RuntimeError(
-                f"weight update failed while loading; the server is unhealthy: {engine.error}"
-            ) from None
+            raise RuntimeError(f"weight update failed; the server exits: {engine.error}") from None
         if not ready.done():
             raise
         state.transport = None  # the workers left the group
@@ -914,9 +928,10 @@ def make_metrics():
 
 
 async def watch_engine(app):
-    """Stop the server when vLLM's engine core is gone for good, so that it exits non-zero and a
-    supervisor restarts it. AsyncLLM only exposes this as a flag, hence the check every second."""
-    while not app[ENGINE].llm.errored:
+    """Stop the server when the engine cannot serve any more (vLLM's engine core is gone for good,
+    or a weight update failed while loading), so that it exits non-zero and a supervisor restarts
+    it. AsyncLLM only exposes this as a flag, hence the check every second."""
+    while not app[ENGINE].error:
         await asyncio.sleep(1)
     print(f"engine failed: {app[ENGINE].error}; stopping the server", file=sys.stderr, flush=True)
     app[STATE].engine_died = True

@@ -745,8 +745,9 @@ def unless_lost():
 
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
-    our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised."""
-    return not isinstance(e, ServerError) or e.status == 404 or e.status >= 500
+    our request ids: 404), or failing (502-504). A 4xx is our own mistake, and a 500 a failure that
+    would come again (a weight load that failed: the server exits): both are raised."""
+    return not isinstance(e, ServerError) or e.status == 404 or e.status > 500
 
 
 def reconnect(client, model, cfg, why):

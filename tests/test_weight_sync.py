@@ -15,8 +15,9 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client, ServerError
-from conftest import needs_cuda
+import train
+from client import Client, ServerError, launch_server, pack, stop_server
+from conftest import GPU_FLAGS, needs_cuda
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
@@ -156,8 +157,9 @@ from client import Client, broadcast, pack
 c = Client({url!r})
 c.init_communicator({transport!r}, device={device!r}, weight_sync_timeout=30)
 buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
-# phase 1: the server receives
-c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})
+# the server answers a first line once its workers receive
+answer = c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}}, stream=True)
+next(answer.iter_lines())
 # one of many, then die
 broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=c.device), 30)
 print("sent one bucket", flush=True)
@@ -237,6 +239,78 @@ def test_close_then_init_again(server, hf):
     full = [{"size": offset, "params": params}]
     r = post(server, "/update_weights", {"buckets": full})
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
+
+
+def test_an_update_whose_caller_goes_away_after_sending_still_lands(server, hf):
+    model, tokenizer = hf
+    new = perturbed(model, seed=5)
+    server.init_communicator(transport="gloo")
+    v0 = server.health()["version"]
+    buckets = pack(server._named_tensors(new), 32 << 20)
+    body = {"buckets": [b for b, _ in buckets]}
+    answer = server._request("POST", "/update_weights", body, stream=True)
+    next(answer.iter_lines())  # the workers receive
+    server._send_buckets(buckets)
+    answer.close()  # gone before the new version is answered
+    deadline = time.monotonic() + 60
+    while server.health()["version"] != v0 + 1:
+        assert time.monotonic() < deadline, "the update was cancelled with its caller"
+        time.sleep(0.05)
+    try:
+        assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
+    finally:
+        server.init_communicator(transport="gloo")
+        server.update_model_params(model)
+        server.close_communicator()
+
+
+def failing_server(load, tmp_path, monkeypatch):
+    """A server whose workers' `load`-th weight load fails after half its tensors. A test-only hook
+    (engine.WeightSyncWorker.receive_weights): what makes a real load fail part-way (a CUDA error,
+    a model family loaded wrongly) cannot be produced at will here."""
+    monkeypatch.setenv("ASYNC_GRPO_FAIL_LOAD", str(load))
+    return launch_server(*GPU_FLAGS, log_path=tmp_path / "server.log")
+
+
+def test_a_load_that_fails_part_way_stops_the_server_non_zero(hf, tmp_path, monkeypatch):
+    proc, client = failing_server(1, tmp_path, monkeypatch)
+    try:
+        client.init_communicator(transport="gloo")
+        with pytest.raises(ServerError) as failed:
+            client.update_model_params(perturbed(hf[0], seed=6))
+        assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
+        # nothing is served on the mixed weights, and the server exits for a supervisor to restart
+        with pytest.raises((ServerError, ConnectionError)):
+            client.generate(["mixed?"], max_tokens=2)
+        assert proc.wait(60) != 0
+        assert "engine failed" in (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+def test_a_trainer_whose_push_fails_to_load_stops_without_reconnecting(
+    model_path, tmp_path, monkeypatch
+):
+    # the trainer's first push loads; its second, after step 0, fails
+    proc, client = failing_server(2, tmp_path, monkeypatch)
+    cfg = train.Config(
+        model=model_path,
+        steps=3,
+        prompts_per_step=4,
+        micro_batches=2,
+        group_size=2,
+        out=str(tmp_path),
+        reconnect_timeout=600,
+    )
+    try:
+        # a reconnecting trainer would wait --reconnect-timeout for a server that exits
+        with pytest.raises(ServerError) as failed:
+            train.train(cfg, client)
+        assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
 
 
 NO_VLLM_TRAINER = """
