@@ -46,10 +46,12 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token, same length as token_ids
     finish_reason: str | None  # "stop", "length" or "abort"
-    version: int  # the weight version that produced every token of it
-    top_logprobs: list[list[dict]] | None = (
-        None  # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
-    )
+    version: int  # the weight version of its first token
+    # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
+    top_logprobs: list[list[dict]] | None = None
+    # [[version, index of its first token]] per weight version that sampled it, oldest first: one
+    # span unless an in-flight update came while it was generated
+    versions: list[list[int]] | None = None
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Episode:
     turns: list[dict]  # per model turn: text, version, finish_reason
     tool_calls: list[dict]  # per call: name, argument, result
     finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
+    versions: list[list[int]] | None = None  # as a Completion's, over token_ids
 
 
 # -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
@@ -526,14 +529,15 @@ class Client:
             self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self.buffers[slot][:size]
 
-    def update_model_params(self, model, bucket_mb=32):
+    def update_model_params(self, model, bucket_mb=32, mode="drain"):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
         weight version. Tied weights are sent once, cast to the server's dtype. One call: POST
         /update_weights announces every tensor (name, dtype, shape, offset in its bucket); the
         server answers a first line once it has drained and its workers receive, and only then do
         we send, so a slow drain cannot time our sends out; its second line is the new version.
         ipc: one buffer the workers copy from; nccl/gloo: buckets of at most `bucket_mb` MiB,
-        through two alternating buffers (one is packed while one travels)."""
+        through two alternating buffers (one is packed while one travels). `mode`: what becomes
+        of the requests in flight, "drain" or "in-flight" (engine.Engine.update_weights)."""
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
@@ -544,9 +548,8 @@ class Client:
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
         # an error status here means nothing was sent, and the group stays as it is
-        answer = self._request(
-            "POST", "/update_weights", {"buckets": [b for b, _ in buckets]}, stream=True
-        )
+        body = {"buckets": [b for b, _ in buckets], "mode": mode}
+        answer = self._request("POST", "/update_weights", body, stream=True)
         with answer:
             try:
                 lines = answer.iter_lines()

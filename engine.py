@@ -18,6 +18,7 @@ Each vLLM call that may change between releases is one small function next to it
 import ast
 import asyncio
 import operator
+import os
 import threading
 import time
 import uuid
@@ -57,6 +58,8 @@ class Engine:
         self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the server then exits
+        # vLLM 0.26: request id -> {completion index: [[version, first token]]} (version_spans)
+        self.marks = {}
         self.tokenizer = self.llm.tokenizer
         # most sequences decoded at once
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
@@ -89,19 +92,10 @@ class Engine:
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
+        marks = [self.marks.pop(out.request_id, {}) for out in outputs]
         return [
-            [
-                Completion(
-                    c.text,
-                    list(c.token_ids),
-                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                    c.finish_reason,
-                    version,
-                    top_k(c.logprobs, params.logprobs),
-                )
-                for c in sorted(out.outputs, key=lambda c: c.index)
-            ]
-            for out in outputs
+            [completion(c, params.logprobs, version, m) for c in sorted(out.outputs, key=index)]
+            for out, m in zip(outputs, marks)
         ]
 
     async def _one(self, prompt, params, priority):
@@ -114,21 +108,36 @@ class Engine:
         return outputs[-1]
 
     async def update_weights(
-        self, buckets, weight_sync_timeout=60.0, drain_timeout=60.0, ready=None
+        self, buckets, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, ready=None
     ):
-        """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
-        version; returns it and the workers' timings. `ready` (a future) is resolved once the
-        workers are told to receive: the trainer may send. A drain longer than `drain_timeout`
-        changes nothing (TimeoutError), and nothing was sent. From `ready` on, an update is atomic
-        (see `load`)."""
+        """Load new weights in the workers (WeightSyncWorker.receive_weights) and bump the version;
+        returns it and the workers' timings. `ready` (a future) is resolved once the workers are
+        told to receive: the trainer may send. From then on an update is atomic (see `load`).
+        New requests wait at the gate meanwhile; the requests in flight, by `mode`:
+          drain      finish on the old weights first (within `drain_timeout`, or a TimeoutError
+                     and nothing was sent): no completion mixes two versions;
+          in-flight  stop where they are, and go on after the update with the new weights: their
+                     KV is computed again, so each token after it is the new weights' own, and
+                     each completion carries the version of every token (`versions`)."""
         async with self.update_lock:
-            self.gate.clear()  # new requests wait at the gate
+            self.gate.clear()
             try:
-                await self.drain(drain_timeout)
-                if ready is not None:
-                    ready.set_result(None)
-                return await self.load(buckets, weight_sync_timeout)
+                if mode == "drain":
+                    await self.drain(drain_timeout)
+                else:
+                    # vLLM 0.26 and 0.32 alike: pause_generation(*, mode, clear_cache) and
+                    # resume_generation(); "keep" freezes the requests in flight where they are
+                    pause = self.llm.pause_generation(mode="keep", clear_cache=False)
+                    await asyncio.wait_for(pause, weight_sync_timeout)
+                tokens = tokens_so_far(self.llm) if mode != "drain" else {}
+                ready.set_result(None)
+                version, timings = await self.load(buckets, weight_sync_timeout)
+                for (request_id, i), n in tokens.items():
+                    self.marks.setdefault(request_id, {}).setdefault(i, []).append([version, n])
+                return version, timings
             finally:
+                if mode != "drain" and not self.error:
+                    await asyncio.wait_for(self.llm.resume_generation(), weight_sync_timeout)
                 self.gate.set()
 
     async def drain(self, timeout):
@@ -166,13 +175,16 @@ class Engine:
         if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
             self.fail(f"a worker failed to load its weights: {failed[0]}")
         try:
-            # old KV must not be reused
-            reset = await asyncio.wait_for(self.llm.reset_prefix_cache(), timeout)
+            # old KV must not be reused: the prefix cache, and the KV of requests paused in flight,
+            # which vLLM then computes again with the new weights (0.26 and 0.32 alike)
+            resetting = self.llm.reset_prefix_cache(reset_running_requests=True)
+            reset = await asyncio.wait_for(resetting, timeout)
         except Exception as e:
             reset = e
         if reset is not True:
             self.fail(f"the prefix cache was not reset after a load ({reset!r})")
         self.version += 1
+        await label_version(self.llm, self.version)
         async with self.new_version:
             self.new_version.notify_all()
         return self.version, answers[0]
@@ -230,6 +242,52 @@ def final_only(params: SamplingParams) -> SamplingParams:
     params.output_kind = RequestOutputKind.FINAL_ONLY
     params.logprobs = max(params.logprobs or 0, 0)  # 0 = just the sampled token's logprob
     return params
+
+
+def index(output):
+    return output.index
+
+
+def completion(c, k, version, marks) -> Completion:
+    """Our Completion of vLLM's CompletionOutput `c`, admitted at weights `version`."""
+    spans = version_spans(c, version, marks)
+    logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+    return Completion(
+        c.text,
+        list(c.token_ids),
+        logprobs,
+        c.finish_reason,
+        spans[0][0],
+        top_k(c.logprobs, k),
+        spans,
+    )
+
+
+def version_spans(c, version, marks):
+    """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first. vLLM
+    0.32 labels the tokens with what label_version set ("default" before it: our 0). vLLM 0.26 does
+    not, and the engine counted each completion's tokens at each in-flight update (`marks`: {index:
+    [[version, tokens before it]]}), exact for the requests vLLM held when it paused."""
+    labelled = getattr(c, "weight_versions", None)
+    if labelled:
+        return [[0 if s.version == "default" else int(s.version), s.start] for s in labelled]
+    starts = {0: version} | {start: v for v, start in marks.get(c.index, [])}
+    return [[v, start] for start, v in starts.items()]
+
+
+def tokens_so_far(llm):
+    """vLLM 0.26 only: {(request id, completion index): tokens sampled so far} of the requests in
+    flight, read from vLLM's output processor while generation is paused."""
+    if hasattr(llm, "update_weight_version"):
+        return {}
+    states = llm.output_processor.request_states.values()
+    return {(r.external_req_id, r.request_index): r.detokenizer.num_output_tokens() for r in states}
+
+
+async def label_version(llm, version):
+    """vLLM 0.32 labels every token it samples from now on with `version` (0.26 cannot)."""
+    if hasattr(llm, "update_weight_version"):
+        await llm.update_weight_version(str(version))
 
 
 def check_encodable(params: SamplingParams):
@@ -522,7 +580,7 @@ class RolloutEngine:
         call_start, call_end = call_start or self.call_start, call_end or self.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-        ep = Episode(list(ids), [0] * len(ids), [None] * len(ids), [], [], "max_turns")
+        ep = Episode(list(ids), [0] * len(ids), [None] * len(ids), [], [], "max_turns", [])
         budget = max_episode_tokens  # tokens after the prompt: sampled and tool output
         for turn in range(max_turns):
             p = params.clone()
@@ -534,6 +592,7 @@ class RolloutEngine:
             p.stop = list(params.stop or []) + [call_end]
             p.seed = None if params.seed is None else params.seed + 1000 * k + turn
             [[c]] = await self.engine.generate([ep.token_ids], p)
+            ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
             ep.token_ids += c.token_ids  # exactly as sampled: never re-tokenised
             ep.loss_mask += [1] * len(c.token_ids)
             ep.logprobs += c.logprobs

@@ -179,7 +179,8 @@ def args_key(body) -> str:
 # -- the futures table: request id -> (task, its arguments' key), oldest first ---------------------
 def submit(app, body, work) -> str:
     """Start `work` (a coroutine or task) under a new id, remembering its arguments. Once it is
-    done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
+    done, its result waits --result-ttl seconds to be fetched, then it is dropped; with
+    "keep_result" in the body, until it is fetched or aborted (a trainer's queued step)."""
     state = app[STATE]
     if len(state.tasks) >= state.opts.max_pending:
         work.close() if asyncio.iscoroutine(work) else work.cancel()
@@ -190,11 +191,12 @@ def submit(app, body, work) -> str:
         )
     request_id, task = uuid.uuid4().hex, asyncio.ensure_future(work)
     state.tasks[request_id] = (task, args_key(body))
-    task.add_done_callback(
-        lambda _: asyncio.get_running_loop().call_later(
-            state.opts.result_ttl, expire, app, request_id
+    if not body.get("keep_result"):
+        task.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(
+                state.opts.result_ttl, expire, app, request_id
+            )
         )
-    )
     return request_id
 
 
@@ -284,13 +286,14 @@ async def generate(request):
     app, body = request.app, await read_json(request)
     prompts, params = (
         parse_prompts(body, app[STATE]),
-        parse_sampling(body, app[STATE], extra=("min_version", "split_prompts")),
+        parse_sampling(body, app[STATE], extra=("min_version", "split_prompts", "keep_result")),
     )
     priority, min_version, split = (
         get(body, "priority", int, 0),
         get(body, "min_version", int, 0),
         get(body, "split_prompts", bool, False),
     )
+    get(body, "keep_result", bool, False)
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     ids = [
         submit(
@@ -317,8 +320,10 @@ async def rollout(request):
     params = parse_sampling(
         body,
         state,
-        extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version"),
+        extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version")
+        + ("keep_result",),
     )
+    get(body, "keep_result", bool, False)
     min_version, max_turns = (
         get(body, "min_version", int, 0),
         get(body, "max_turns", int, 4, 1, 100),
@@ -538,8 +543,9 @@ def check_buckets(buckets, spec, dtype, transport):
 
 
 async def update_weights(request):
-    """One weight update in one call, answered as two JSON lines: {"receiving": true} once the
-    workers receive (only then does the trainer send, so a long drain cannot time its sends out),
+    """One weight update in one call (body: buckets, and a `mode`: "drain", the default, or
+    "in-flight", see Engine.update_weights), answered as two JSON lines: {"receiving": true} once
+    the workers receive (only then does the trainer send: a long drain cannot time its sends out),
     then {"version", "receive_s", "load_s"} once loaded, or {"error", "status"}. An update is no
     entry of the futures table: once its workers receive, nothing cancels it (no /abort, no full
     table, no dropped connection), and it ends as Engine.load says: the version bumped; the old
@@ -550,10 +556,14 @@ async def update_weights(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
+    if body.get("mode", "drain") not in ("drain", "in-flight"):
+        raise ApiError(400, "'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
     if not state.transport:
         raise ApiError(409, "no weight sync set up: call /init_communicator first")
     ready = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(run_update(request.app, body["buckets"], ready))
+    task = asyncio.ensure_future(
+        run_update(request.app, body["buckets"], body.get("mode", "drain"), ready)
+    )
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
     if not ready.done():
@@ -573,11 +583,11 @@ async def update_weights(request):
     return answer
 
 
-async def run_update(app, buckets, ready):
+async def run_update(app, buckets, mode, ready):
     engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
     try:
         version, timings = await engine.update_weights(
-            buckets, opts.weight_sync_timeout, opts.drain_timeout, ready
+            buckets, mode, opts.weight_sync_timeout, opts.drain_timeout, ready
         )
     except Exception as e:
         if engine.error:

@@ -103,8 +103,50 @@ def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(
     late = Client(trainer.base_url).generate(["during update"], n=4, max_tokens=8, is_async=True)
     pusher.join(120)
     assert update["version"] == v0 + 1
-    assert {c.version for c in early.result()[0]} == {v0}
-    assert {c.version for c in late.result()[0]} == {v0 + 1}
+    # drain: no completion mixes two versions
+    assert [c.versions for c in early.result()[0]] == [[[v0, 0]]] * 4
+    assert [c.versions for c in late.result()[0]] == [[[v0 + 1, 0]]] * 4
+
+
+def hf_continue(model, ids, n):
+    """transformers' greedy continuation of token ids `ids` by `n` tokens, end-of-text included
+    (as the server's with ignore_eos)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_a_request_spanning_an_in_flight_update_goes_on_with_the_new_weights(trainer, hf):
+    model, tokenizer = hf
+    new, v0 = perturbed(model, seed=7), trainer.health()["version"]
+    prompt = tokenizer("spanning").input_ids
+    trainer.generate([prompt], max_tokens=64, ignore_eos=True)  # a fresh engine's decoding is slow
+    spanning = trainer.generate(
+        [prompt], temperature=0.0, max_tokens=1900, ignore_eos=True, is_async=True
+    )
+    wait_for_in_flight(trainer)
+    try:
+        assert trainer.update_model_params(new, mode="in-flight") == v0 + 1
+        [[c]] = spanning.result()
+    finally:
+        trainer.update_model_params(model)
+    [[old, zero], [now, paused]] = c.versions
+    assert (old, zero, now) == (v0, 0, v0 + 1) and 16 < paused < len(c.token_ids) - 32
+    # greedy up to the pause point on the old weights, and from it on the new ones
+    before = prompt + c.token_ids[: paused - 16]
+    assert c.token_ids[paused - 16 : paused] == hf_continue(model, before, 16)
+    assert c.token_ids[paused : paused + 32] == hf_continue(new, prompt + c.token_ids[:paused], 32)
+
+
+def wait_for_in_flight(client, seconds=1.0):
+    """Return `seconds` after a request started generating (at ~2 ms per token here)."""
+    deadline = time.monotonic() + 30
+    while not client.health()["in_flight"]:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    time.sleep(seconds)
 
 
 def post(client, path, body):
@@ -158,7 +200,8 @@ c = Client({url!r})
 c.init_communicator({transport!r}, device={device!r}, weight_sync_timeout=30)
 buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
 # the server answers a first line once its workers receive
-answer = c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}}, stream=True)
+body = {{"buckets": [b for b, _ in buckets], "mode": {mode!r}}}
+answer = c._request("POST", "/update_weights", body, stream=True)
 next(answer.iter_lines())
 # one of many, then die
 broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=c.device), 30)
@@ -181,17 +224,26 @@ os._exit(1)
         ),
     ],
 )
+@pytest.mark.parametrize("mode", ["drain", "in-flight"])
 def test_trainer_dying_mid_update_leaves_server_serving_old_weights(
-    server, hf, tmp_path, transport, device
+    server, hf, tmp_path, transport, device, mode
 ):
     model, _ = hf
     before = server_greedy(server)
     v0 = server.health()["version"]
+    # a request in flight: drained first, or paused through the failed update and then resumed
+    long = dict(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    early = server.generate(["in flight"], is_async=True, **long)
     weights = tmp_path / "weights.pt"
     torch.save(perturbed(model, seed=2).state_dict(), weights)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = DYING_TRAINER.format(
-        root=root, url=server.base_url, weights=str(weights), transport=transport, device=device
+        root=root,
+        url=server.base_url,
+        weights=str(weights),
+        transport=transport,
+        device=device,
+        mode=mode,
     )
     dying = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
@@ -201,6 +253,9 @@ def test_trainer_dying_mid_update_leaves_server_serving_old_weights(
     assert server_greedy(server) == (before[0], {v0})  # waits at the gate until the update failed
     assert time.monotonic() - start < 60 + 15  # the server's --weight-sync-timeout plus a margin
     assert server.health()["version"] == v0
+    [[c]] = early.result()  # on the old weights from its first token to its last
+    assert c.versions == [[v0, 0]]
+    assert c.token_ids == server.generate(["in flight"], **long)[0][0].token_ids
 
     server.init_communicator()  # a new trainer can join and update
     try:
@@ -272,16 +327,25 @@ def failing_server(load, tmp_path, monkeypatch):
     return launch_server(*GPU_FLAGS, log_path=tmp_path / "server.log")
 
 
-def test_a_load_that_fails_part_way_stops_the_server_non_zero(hf, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["drain", "in-flight"])
+def test_a_load_that_fails_part_way_stops_the_server_non_zero(hf, tmp_path, monkeypatch, mode):
     proc, client = failing_server(1, tmp_path, monkeypatch)
     try:
         client.init_communicator(transport="gloo")
+        # in-flight: paused by the update, never resumed on the mixed weights
+        paused = client.generate(["x"], max_tokens=1900, ignore_eos=True, is_async=True)
+        if mode == "in-flight":
+            wait_for_in_flight(client, seconds=0)
+        else:
+            paused.result()
         with pytest.raises(ServerError) as failed:
-            client.update_model_params(perturbed(hf[0], seed=6))
+            client.update_model_params(perturbed(hf[0], seed=6), mode=mode)
         assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
         # nothing is served on the mixed weights, and the server exits for a supervisor to restart
         with pytest.raises((ServerError, ConnectionError)):
             client.generate(["mixed?"], max_tokens=2)
+        with pytest.raises((ServerError, ConnectionError)):
+            paused.result()
         assert proc.wait(60) != 0
         assert "engine failed" in (tmp_path / "server.log").read_text()
     finally:
