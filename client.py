@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,15 +99,19 @@ def broadcast(group, tensor, weight_sync_timeout):
 
 
 def finish(work, tensor, weight_sync_timeout):
-    """Wait for a broadcast, at most `weight_sync_timeout` s. NCCL's wait() only makes the current
-    CUDA stream wait, which would hang the engine later if the peer died: so wait for the work."""
+    """Wait until a broadcast has arrived, at most `weight_sync_timeout` s. gloo's wait() blocks
+    (bounded by the group's timeout). NCCL's only makes the tensor's CUDA stream wait for it: work
+    queued after it is ordered right, but would hang for good if the peer died. So a thread waits
+    for the stream, and we for the thread, within the timeout: no polling."""
+    work.wait()
     if tensor.is_cuda:
-        deadline = time.monotonic() + weight_sync_timeout
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a broadcast did not complete within {weight_sync_timeout} s")
-            time.sleep(0.001)
-    work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
+        arrived = torch.cuda.Event()
+        arrived.record(torch.cuda.current_stream(tensor.device))
+        waiter = threading.Thread(target=arrived.synchronize, daemon=True)
+        waiter.start()
+        waiter.join(weight_sync_timeout)
+        if waiter.is_alive():
+            raise TimeoutError(f"a broadcast did not complete within {weight_sync_timeout} s")
 
 
 def close_group(group):
@@ -445,8 +450,6 @@ class Client:
                 [[Episode(**e) for e in per] for per in r["episodes"]]
                 if "episodes" in r
                 else [[Completion(**c) for c in per] for per in r["completions"]]
-                if "completions" in r
-                else r
             )
             done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
@@ -555,8 +558,9 @@ class Client:
                 lines = answer.iter_lines()
                 read_line(lines)  # {"receiving": true}
                 start = time.perf_counter()
-                self._send_buckets(buckets)
-                # packing and sending every bucket; ipc: nothing to send
+                if self.transport != "ipc":  # ipc: nothing to send
+                    self._send_buckets(buckets)
+                # packing and sending every bucket
                 send_s = time.perf_counter() - start
                 result = read_line(lines)
             except Exception:
@@ -571,13 +575,11 @@ class Client:
 
     def _send_buckets(self, buckets):
         """Broadcast the buckets (nccl/gloo), packing each next one while the last one travels."""
-        if self.transport == "ipc":
-            return
         sending = [None, None]  # the work in flight from each buffer
         for i, (bucket, tensors) in enumerate(buckets):
             if sending[i % 2] is not None:
-                # its buffer is ours again
-                finish(*sending[i % 2], self.weight_sync_timeout)
+                # its buffer is ours again (NCCL: the copies into it wait on the stream)
+                sending[i % 2][0].wait()
             buffer = self._buffer(i % 2, bucket["size"])
             fill(buffer, bucket, tensors)
             sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
@@ -602,12 +604,9 @@ class Client:
 def read_line(lines):
     """The next JSON line of an answer read as it comes (/update_weights)."""
     try:
-        line = next(lines, None)
-    except requests.RequestException as e:
-        raise ConnectionError(f"the server went away mid-answer: {e}") from None
-    if line is None:
-        raise ConnectionError("the server closed its answer early")
-    return json.loads(line)
+        return json.loads(next(lines))
+    except (StopIteration, requests.RequestException) as e:
+        raise ConnectionError(f"the server went away mid-answer: {e!r}") from None
 
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------

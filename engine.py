@@ -25,6 +25,7 @@ import uuid
 from contextlib import AsyncExitStack
 
 import torch
+import torch.distributed as dist
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
@@ -35,9 +36,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from client import (
     Completion,
     Episode,
-    broadcast,
     close_group,
     device_uuid,
+    finish,
     open_cuda,
     unpack,
     weight_group,
@@ -80,7 +81,8 @@ class Engine:
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
-        tasks = [asyncio.ensure_future(self._one(p, final_only(params), priority)) for p in prompts]
+        sampling = final_only(params)
+        tasks = [asyncio.ensure_future(self._one(p, sampling, priority, version)) for p in prompts]
         try:
             outputs = await asyncio.gather(*tasks)
         except BaseException:  # one prompt failed or the caller gave up: abort the others too
@@ -98,10 +100,12 @@ class Engine:
             for out, m in zip(outputs, marks)
         ]
 
-    async def _one(self, prompt, params, priority):
+    async def _one(self, prompt, params, priority, version):
         prompt = (
             {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
         )
+        # vLLM's prefix cache keyed by weight version: no request reuses the KV of other weights
+        prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions
         stream = self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, priority=priority)
         outputs = [out async for out in stream]
@@ -121,20 +125,25 @@ class Engine:
                      each completion carries the version of every token (`versions`)."""
         async with self.update_lock:
             self.gate.clear()
+            start = time.perf_counter()
             try:
                 if mode == "drain":
                     await self.drain(drain_timeout)
                 else:
-                    # vLLM 0.26 and 0.32 alike: pause_generation(*, mode, clear_cache) and
-                    # resume_generation(); "keep" freezes the requests in flight where they are
-                    pause = self.llm.pause_generation(mode="keep", clear_cache=False)
+                    # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
+                    # requests in flight where they are, then sleeps 20 ms so that outputs already
+                    # sent are processed first. Nothing here needs that (tokens_so_far is read
+                    # after the load), so we ask its engine core; resume_generation() undoes it.
+                    pause = self.llm.engine_core.pause_scheduler_async(
+                        mode="keep", clear_cache=False
+                    )
                     await asyncio.wait_for(pause, weight_sync_timeout)
-                tokens = tokens_so_far(self.llm) if mode != "drain" else {}
                 ready.set_result(None)
-                version, timings = await self.load(buckets, weight_sync_timeout)
-                for (request_id, i), n in tokens.items():
+                drain_s = time.perf_counter() - start
+                version, timings = await self.load(buckets, weight_sync_timeout, mode != "drain")
+                for (request_id, i), n in tokens_so_far(self.llm, mode).items():
                     self.marks.setdefault(request_id, {}).setdefault(i, []).append([version, n])
-                return version, timings
+                return version, {"drain_s": drain_s, **timings}
             finally:
                 if mode != "drain" and not self.error:
                     await asyncio.wait_for(self.llm.resume_generation(), weight_sync_timeout)
@@ -151,18 +160,20 @@ class Engine:
                     f"of {timeout} s; nothing was sent"
                 ) from None
 
-    async def load(self, buckets, timeout):
-        """Receive and load in every worker, reset the prefix cache, bump the version. It ends in
-        one of three ways (the server never cancels it: an update is no entry of its futures table):
-        - the version goes up by one: every worker loaded the new weights, the cache was reset;
+    async def load(self, buckets, timeout, in_flight=False):
+        """Receive and load in every worker, forget the KV of the requests paused `in_flight`, bump
+        the version. It ends in one of three ways (the server never cancels it: an update is no
+        entry of its futures table):
+        - the version goes up by one: every worker loaded the new weights;
         - ConnectionError: the weights never arrived (the trainer died or timed out), nothing was
           loaded, the old weights and version stay;
         - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
-          part-way, or a worker did not answer, or the prefix cache (which may hold the old
-          weights' KV) was not reset. The weights may be mixed: no request is served any more, and
+          part-way, or a worker did not answer, or the paused requests' KV (the old weights')
+          was not dropped. The weights may be mixed: no request is served any more, and
           the server exits non-zero (server.watch_engine), as when vLLM's engine dies, so that a
           supervisor restarts it on its checkpoint. We do not wait for a later push to heal it:
           what made a load fail (a CUDA error, a model family we load wrongly) usually stays."""
+        start = time.perf_counter()
         try:
             answers = await self.llm.collective_rpc(
                 "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
@@ -174,20 +185,25 @@ class Engine:
             raise ConnectionError(f"the new weights did not arrive: {missed[0]}")
         if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
             self.fail(f"a worker failed to load its weights: {failed[0]}")
-        try:
-            # old KV must not be reused: the prefix cache, and the KV of requests paused in flight,
-            # which vLLM then computes again with the new weights (0.26 and 0.32 alike)
-            resetting = self.llm.reset_prefix_cache(reset_running_requests=True)
-            reset = await asyncio.wait_for(resetting, timeout)
-        except Exception as e:
-            reset = e
-        if reset is not True:
-            self.fail(f"the prefix cache was not reset after a load ({reset!r})")
+        rpc_s = time.perf_counter() - start
+        if in_flight:
+            try:
+                # vLLM drops the paused requests' KV (and the prefix cache) and computes it again
+                # with the new weights (0.26 and 0.32 alike). It costs a loop over every KV block
+                # in Python (~0.1 s for 2.6M blocks): drain updates need none, as the prefix cache
+                # is keyed by version (Engine._one).
+                resetting = self.llm.reset_prefix_cache(reset_running_requests=True)
+                reset = await asyncio.wait_for(resetting, timeout)
+            except Exception as e:
+                reset = e
+            if reset is not True:
+                self.fail(f"the paused requests' KV was not dropped after a load ({reset!r})")
         self.version += 1
         await label_version(self.llm, self.version)
         async with self.new_version:
             self.new_version.notify_all()
-        return self.version, answers[0]
+        reset_s = time.perf_counter() - start - rpc_s
+        return self.version, {**answers[0], "rpc_s": rpc_s, "reset_s": reset_s}
 
     def fail(self, why):
         self.load_error = f"weights possibly mixed by a failed update: {why}"
@@ -275,10 +291,10 @@ def version_spans(c, version, marks):
     return [[v, start] for start, v in starts.items()]
 
 
-def tokens_so_far(llm):
+def tokens_so_far(llm, mode):
     """vLLM 0.26 only: {(request id, completion index): tokens sampled so far} of the requests in
-    flight, read from vLLM's output processor while generation is paused."""
-    if hasattr(llm, "update_weight_version"):
+    flight, read from vLLM's output processor while generation is paused in flight."""
+    if mode == "drain" or hasattr(llm, "update_weight_version"):
         return {}
     states = llm.output_processor.request_states.values()
     return {(r.external_req_id, r.request_index): r.detokenizer.num_output_tokens() for r in states}
@@ -373,9 +389,13 @@ class WeightSyncWorker:
                         dtype=torch.uint8,
                         device="cpu" if self.transport == "gloo" else self.device,
                     )
-                    broadcast(self.group, buffer, self.weight_sync_timeout)
+                    work = self.group.broadcast([buffer], dist.BroadcastOptions())
+                    # gloo: until it arrived; NCCL: this GPU's stream waits for it, no sync
+                    work.wait()
                     # gloo: one copy to the GPU per bucket
                     received += unpack(buffer.to(self.device), b["params"])
+                # NCCL: the last one (and so every one before it) has arrived, within the timeout
+                finish(work, buffer, self.weight_sync_timeout)
         except Exception as e:
             self.close_communicator()
             return {"receive_error": f"{type(e).__name__}: {e}"}

@@ -556,14 +556,13 @@ async def update_weights(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
-    if body.get("mode", "drain") not in ("drain", "in-flight"):
+    mode = body.get("mode", "drain")
+    if mode not in ("drain", "in-flight"):
         raise ApiError(400, "'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
     if not state.transport:
         raise ApiError(409, "no weight sync set up: call /init_communicator first")
     ready = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(
-        run_update(request.app, body["buckets"], body.get("mode", "drain"), ready)
-    )
+    task = asyncio.ensure_future(run_update(request.app, body["buckets"], mode, ready))
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
     if not ready.done():

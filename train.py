@@ -147,10 +147,6 @@ class Config:
                 "prompts_per_step must be divisible by micro_batches",
             ),
             (self.max_staleness < 0, "max_staleness must be >= 0"),
-            (
-                self.update_mode == "in-flight" and self.max_staleness < 1,
-                "in-flight updates need max_staleness >= 1",
-            ),
             (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
             (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}"),
             # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
