@@ -132,7 +132,7 @@ class Engine:
                 else:
                     # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
                     # requests in flight where they are, then sleeps 20 ms so that outputs already
-                    # sent are processed first. Nothing here needs that (tokens_so_far is read
+                    # sent are processed first. Nothing here needs that (track_versions is read
                     # after the load), so we ask its engine core; resume_generation() undoes it.
                     pause = self.llm.engine_core.pause_scheduler_async(
                         mode="keep", clear_cache=False
@@ -141,8 +141,6 @@ class Engine:
                 ready.set_result(None)
                 drain_s = time.perf_counter() - start
                 version, timings = await self.load(buckets, weight_sync_timeout, mode != "drain")
-                for (request_id, i), n in tokens_so_far(self.llm, mode).items():
-                    self.marks.setdefault(request_id, {}).setdefault(i, []).append([version, n])
                 return version, {"drain_s": drain_s, **timings}
             finally:
                 if mode != "drain" and not self.error:
@@ -169,10 +167,11 @@ class Engine:
           loaded, the old weights and version stay;
         - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
           part-way, or a worker did not answer, or the paused requests' KV (the old weights')
-          was not dropped. The weights may be mixed: no request is served any more, and
-          the server exits non-zero (server.watch_engine), as when vLLM's engine dies, so that a
-          supervisor restarts it on its checkpoint. We do not wait for a later push to heal it:
-          what made a load fail (a CUDA error, a model family we load wrongly) usually stays."""
+          was not dropped, or vLLM 0.32 did not take the version's label. The weights may be
+          mixed: no request is served any more, and the server exits non-zero
+          (server.watch_engine), as when vLLM's engine dies, so that a supervisor restarts it on
+          its checkpoint. We do not wait for a later push to heal it: what made a load fail (a
+          CUDA error, a model family we load wrongly) usually stays."""
         start = time.perf_counter()
         try:
             answers = await self.llm.collective_rpc(
@@ -186,20 +185,23 @@ class Engine:
         if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
             self.fail(f"a worker failed to load its weights: {failed[0]}")
         rpc_s = time.perf_counter() - start
-        if in_flight:
-            try:
-                # vLLM drops the paused requests' KV (and the prefix cache) and computes it again
-                # with the new weights (0.26 and 0.32 alike). It costs a loop over every KV block
-                # in Python (~0.1 s for 2.6M blocks): drain updates need none, as the prefix cache
-                # is keyed by version (Engine._one).
-                resetting = self.llm.reset_prefix_cache(reset_running_requests=True)
-                reset = await asyncio.wait_for(resetting, timeout)
-            except Exception as e:
-                reset = e
-            if reset is not True:
-                self.fail(f"the paused requests' KV was not dropped after a load ({reset!r})")
+        try:
+            # vLLM drops the paused requests' KV (and the prefix cache) and computes it again with
+            # the new weights (0.26 and 0.32 alike). It costs a loop over every KV block in Python
+            # (~0.1 s for 2.6M blocks): drain updates need none, as the prefix cache is keyed by
+            # version (Engine._one).
+            if in_flight and not await asyncio.wait_for(
+                self.llm.reset_prefix_cache(reset_running_requests=True), timeout
+            ):
+                raise RuntimeError("vLLM's reset_prefix_cache returned False")
+            paused = await asyncio.wait_for(track_versions(self.llm, self.version + 1), timeout)
+        except Exception as e:
+            self.fail(
+                f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
+            )
         self.version += 1
-        await label_version(self.llm, self.version)
+        for (request_id, i), n in paused.items():
+            self.marks.setdefault(request_id, {}).setdefault(i, []).append([self.version, n])
         async with self.new_version:
             self.new_version.notify_all()
         reset_s = time.perf_counter() - start - rpc_s
@@ -281,7 +283,7 @@ def completion(c, k, version, marks) -> Completion:
 
 def version_spans(c, version, marks):
     """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first. vLLM
-    0.32 labels the tokens with what label_version set ("default" before it: our 0). vLLM 0.26 does
+    0.32 labels the tokens with what track_versions set ("default" before it: our 0). vLLM 0.26 does
     not, and the engine counted each completion's tokens at each in-flight update (`marks`: {index:
     [[version, tokens before it]]}), exact for the requests vLLM held when it paused."""
     labelled = getattr(c, "weight_versions", None)
@@ -291,19 +293,17 @@ def version_spans(c, version, marks):
     return [[v, start] for start, v in starts.items()]
 
 
-def tokens_so_far(llm, mode):
-    """vLLM 0.26 only: {(request id, completion index): tokens sampled so far} of the requests in
-    flight, read from vLLM's output processor while generation is paused in flight."""
-    if mode == "drain" or hasattr(llm, "update_weight_version"):
+async def track_versions(llm, version):
+    """Once weights `version` are loaded, before generation goes on: vLLM 0.32 labels every token
+    it samples from now on with `version` (version_spans reads the labels). vLLM 0.26 cannot: it
+    returns {(request id, completion index): tokens sampled so far} of the requests paused in
+    flight (none after a drain), read from vLLM's output processor, for the engine to mark where
+    `version` begins."""
+    if hasattr(llm, "update_weight_version"):
+        await llm.update_weight_version(str(version))
         return {}
     states = llm.output_processor.request_states.values()
     return {(r.external_req_id, r.request_index): r.detokenizer.num_output_tokens() for r in states}
-
-
-async def label_version(llm, version):
-    """vLLM 0.32 labels every token it samples from now on with `version` (0.26 cannot)."""
-    if hasattr(llm, "update_weight_version"):
-        await llm.update_weight_version(str(version))
 
 
 def check_encodable(params: SamplingParams):

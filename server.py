@@ -142,11 +142,14 @@ def parse_prompts(body, state) -> list:
 
 
 def parse_sampling(body, state, extra=()) -> SamplingParams:
-    """SamplingParams from the body's fields, within the server's caps, or a 400."""
-    if unknown := sorted(set(body) - set(SAMPLING_FIELDS) - {"prompts", "priority", *extra}):
+    """SamplingParams from the body's fields, within the server's caps, or a 400. Also checks
+    "keep_result", which submit() reads."""
+    known = {"prompts", "priority", "keep_result", *extra}
+    if unknown := sorted(set(body) - set(SAMPLING_FIELDS) - known):
         raise ApiError(
             400, f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}"
         )
+    get(body, "keep_result", bool, False)
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     for k, v in fields.items():
         if not (k == "stop" and isinstance(v, str)):  # vLLM takes one stop string or a list of them
@@ -286,14 +289,13 @@ async def generate(request):
     app, body = request.app, await read_json(request)
     prompts, params = (
         parse_prompts(body, app[STATE]),
-        parse_sampling(body, app[STATE], extra=("min_version", "split_prompts", "keep_result")),
+        parse_sampling(body, app[STATE], extra=("min_version", "split_prompts")),
     )
     priority, min_version, split = (
         get(body, "priority", int, 0),
         get(body, "min_version", int, 0),
         get(body, "split_prompts", bool, False),
     )
-    get(body, "keep_result", bool, False)
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     ids = [
         submit(
@@ -320,10 +322,8 @@ async def rollout(request):
     params = parse_sampling(
         body,
         state,
-        extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version")
-        + ("keep_result",),
+        extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version"),
     )
-    get(body, "keep_result", bool, False)
     min_version, max_turns = (
         get(body, "min_version", int, 0),
         get(body, "max_turns", int, 4, 1, 100),

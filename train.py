@@ -460,7 +460,10 @@ def sequence(row, sample, tok, reward_fn=answer_reward):
             "mask": sample.loss_mask,
             "logprobs": sample.logprobs,
             "reward": score(reward_fn, sample.turns[-1]["text"], row),
-            "versions": per_token(sample.versions, 0, len(sample.token_ids)),
+            # an episode merged from a session has no spans: its first turn's version
+            "versions": per_token(
+                sample.versions or [[sample.turns[0]["version"], 0]], 0, len(sample.token_ids)
+            ),
         }
     prompt = tok(row["prompt"]).input_ids
     return {

@@ -33,7 +33,7 @@ def step_gradient(model, prompts, completions, advantages, micro_batches):
     for i in range(0, len(prompts), size):
         batch = train.make_batch(prompts[i : i + size], completions[i : i + size], pad_id=1)
         logprobs = train.token_logprobs(model, batch)
-        on_policy = torch.zeros(len(logprobs), dtype=torch.bool)
+        on_policy = torch.zeros_like(logprobs, dtype=torch.bool)
         train.pg_loss(
             logprobs, logprobs.detach(), advantages[i : i + size], batch["mask"], on_policy
         )[0].backward()
@@ -108,6 +108,7 @@ def seqs_of(prompts, completions):
             "ids": p + c,
             "mask": [0] * len(p) + [1] * len(c),
             "logprobs": [None] * len(p) + [-1.0] * len(c),
+            "versions": [0] * len(p + c),
         }
         for p, c in zip(prompts, completions)
     ]
@@ -120,9 +121,7 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, _, _ = train.backward(
-        model, seqs, advantages, torch.zeros(len(seqs), dtype=torch.long), cfg, pad_id=1
-    )
+    tokens, _, _ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
