@@ -140,7 +140,9 @@ class Engine:
                     await asyncio.wait_for(pause, weight_sync_timeout)
                 ready.set_result(None)
                 drain_s = time.perf_counter() - start
-                version, timings = await self.load(buckets, weight_sync_timeout, mode != "drain")
+                # requests paused mid-way, whose KV is the old weights'
+                paused = mode != "drain" and self.in_flight > 0
+                version, timings = await self.load(buckets, weight_sync_timeout, paused)
                 return version, {"drain_s": drain_s, **timings}
             finally:
                 if mode != "drain" and not self.error:
@@ -158,8 +160,8 @@ class Engine:
                     f"of {timeout} s; nothing was sent"
                 ) from None
 
-    async def load(self, buckets, timeout, in_flight=False):
-        """Receive and load in every worker, forget the KV of the requests paused `in_flight`, bump
+    async def load(self, buckets, timeout, paused=False):
+        """Receive and load in every worker, forget the KV of the requests `paused` in flight, bump
         the version. It ends in one of three ways (the server never cancels it: an update is no
         entry of its futures table):
         - the version goes up by one: every worker loaded the new weights;
@@ -188,9 +190,9 @@ class Engine:
         try:
             # vLLM drops the paused requests' KV (and the prefix cache) and computes it again with
             # the new weights (0.26 and 0.32 alike). It costs a loop over every KV block in Python
-            # (~0.1 s for 2.6M blocks): drain updates need none, as the prefix cache is keyed by
-            # version (Engine._one).
-            if in_flight and not await asyncio.wait_for(
+            # (~0.1 s for 2.6M blocks): updates with nothing paused need none, as the prefix cache
+            # is keyed by version (Engine._one).
+            if paused and not await asyncio.wait_for(
                 self.llm.reset_prefix_cache(reset_running_requests=True), timeout
             ):
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")

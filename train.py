@@ -455,15 +455,14 @@ def sequence(row, sample, tok, reward_fn=answer_reward):
     if sample is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
     if isinstance(sample, Episode):
+        # an episode merged from a session has no spans: its first turn's version
+        spans = sample.versions or [[sample.turns[0]["version"], 0]]
         return {
             "ids": sample.token_ids,
             "mask": sample.loss_mask,
             "logprobs": sample.logprobs,
             "reward": score(reward_fn, sample.turns[-1]["text"], row),
-            # an episode merged from a session has no spans: its first turn's version
-            "versions": per_token(
-                sample.versions or [[sample.turns[0]["version"], 0]], 0, len(sample.token_ids)
-            ),
+            "versions": per_token(spans, 0, len(sample.token_ids)),
         }
     prompt = tok(row["prompt"]).input_ids
     return {

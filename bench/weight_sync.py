@@ -153,13 +153,14 @@ def update_parts(client, model, rounds, **options):
 
 
 def describe(name, m):
-    """One line: where an update's time went. `rest` is HTTP and the trainer's packing."""
-    rest = m["total_s"] - m["send_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
+    """One line: where an update's time went. The trainer sends while the workers receive, inside
+    the collective_rpc; `rest` is HTTP and the trainer's packing."""
+    rest = m["total_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
     return (
-        f"{name:<32} {m['total_s']:7.4f} s = sends {m['send_s']:.4f} + drain/pause "
-        f"{m['drain_s']:.4f} + collective_rpc {m['rpc_s']:.4f} (in the worker: receive "
-        f"{m['receive_s']:.4f}, load {m['load_s']:.4f}) + reset/label {m['reset_s']:.4f} + HTTP "
-        f"and packing {rest:.4f}"
+        f"{name:<30} {m['total_s']:7.4f} s = drain/pause {m['drain_s']:.4f} + collective_rpc "
+        f"{m['rpc_s']:.4f} (meanwhile: the trainer sends {m['send_s']:.4f}, the worker receives "
+        f"{m['receive_s']:.4f} and loads {m['load_s']:.4f}) + reset/label {m['reset_s']:.4f} + "
+        f"HTTP and packing {rest:.4f}"
     )
 
 
