@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 from statistics import mean
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -736,11 +737,9 @@ def backward(model, seqs, advantages, version, cfg, pad_id):
             [seq["mask"] for seq in part],
             [seq["logprobs"] for seq in part],
         )
-        T = batch["input_ids"].shape[1]
+        versions = [torch.tensor(x["versions"]) for x in part]
         # (b, T-1) True where weights older than ours sampled the target token
-        stale = torch.tensor(
-            [[v < version for v in x["versions"]] + [False] * (T - len(x["ids"])) for x in part]
-        )[:, 1:]
+        stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
             logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
         old, sampled = batch["old_logprobs"], batch["mask"] > 0
@@ -814,9 +813,8 @@ def step_gradient(client, model, tok, queue, cfg, version):
         try:
             for entry in (e for e in queue if e[1] is None):
                 entry[1:] = submit(client, entry[0], cfg), version
-            rows, submitted, sampled = queue[0]
-            staleness = version - sampled
-            s = accumulate_step(client, model, tok, rows, submitted, cfg, version, staleness)
+            rows, futures, sampled = queue[0]
+            s = accumulate_step(client, model, tok, rows, futures, cfg, version, version - sampled)
             queue.popleft()
             return {**s, "reconnected": attempt > 0}, version
         except (ConnectionError, ServerError) as e:
