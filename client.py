@@ -6,8 +6,8 @@
     ...                                                                    # train on something else
     completions = future.result()
 
-    client.init_communicator()                   # the trainer chooses the transport; the server
-    follows version = client.update_model_params(model)  # one HTTP call, then the packed buckets
+    client.init_communicator()          # the trainer chooses the transport; the server follows
+    version = client.update_model_params(model)  # one HTTP call, the packed buckets meanwhile
     client.close_communicator()
 
 Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
@@ -17,12 +17,14 @@ engine.py imports the payloads and the weight-group code from here: a trainer ne
 
 import base64
 import contextlib
+import json
 import math
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,10 +45,12 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token, same length as token_ids
     finish_reason: str | None  # "stop", "length" or "abort"
-    version: int  # the weight version that produced every token of it
-    top_logprobs: list[list[dict]] | None = (
-        None  # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
-    )
+    version: int  # the weight version of its first token
+    # with sampling `logprobs` k > 0: per token, the k likeliest {token, logprob}
+    top_logprobs: list[list[dict]] | None = None
+    # [[version, index of its first token]] per weight version that sampled it, oldest first: one
+    # span unless an in-flight update came while it was generated
+    versions: list[list[int]] | None = None
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Episode:
     turns: list[dict]  # per model turn: text, version, finish_reason
     tool_calls: list[dict]  # per call: name, argument, result
     finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
+    versions: list[list[int]] | None = None  # as a Completion's, over token_ids
 
 
 # -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
@@ -92,15 +97,19 @@ def broadcast(group, tensor, weight_sync_timeout):
 
 
 def finish(work, tensor, weight_sync_timeout):
-    """Wait for a broadcast, at most `weight_sync_timeout` s. NCCL's wait() only makes the current
-    CUDA stream wait, which would hang the engine later if the peer died: so wait for the work."""
+    """Wait until a broadcast has arrived, at most `weight_sync_timeout` s. gloo's wait() blocks
+    (bounded by the group's timeout). NCCL's only makes the tensor's CUDA stream wait for it: work
+    queued after it is ordered right, but would hang for good if the peer died. So a thread waits
+    for the stream, and we for the thread, within the timeout: no polling."""
+    work.wait()
     if tensor.is_cuda:
-        deadline = time.monotonic() + weight_sync_timeout
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a broadcast did not complete within {weight_sync_timeout} s")
-            time.sleep(0.001)
-    work.wait()  # gloo: bounded by the group's timeout; NCCL: already complete
+        arrived = torch.cuda.Event()
+        arrived.record(torch.cuda.current_stream(tensor.device))
+        waiter = threading.Thread(target=arrived.synchronize, daemon=True)
+        waiter.start()
+        waiter.join(weight_sync_timeout)
+        if waiter.is_alive():
+            raise TimeoutError(f"a broadcast did not complete within {weight_sync_timeout} s")
 
 
 def close_group(group):
@@ -279,7 +288,8 @@ class Client:
         if error is not None:
             self.abort_pending()
 
-    def _request(self, method, path, body=None, timeout=None, http=None):
+    def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
+        """The answer's JSON; with `stream`, the response itself, to read as it comes."""
         try:
             r = (http or self.http).request(
                 method,
@@ -287,6 +297,7 @@ class Client:
                 json=body,
                 timeout=timeout or self.timeout,
                 headers=self.headers,
+                stream=stream,
             )
         except requests.ConnectionError as e:
             raise ConnectionError(f"server unreachable at {self.base_url}: {e}") from None
@@ -299,7 +310,7 @@ class Client:
             except (ValueError, KeyError, TypeError):
                 reply, message = {}, r.text
             raise ServerError(r.status_code, message, reply.get("engine_dead", False))
-        return r.json()
+        return r if stream else r.json()
 
     def health(self, timeout=10.0):
         return self._request("GET", "/health", timeout=timeout)
@@ -417,8 +428,6 @@ class Client:
                 [[Episode(**e) for e in per] for per in r["episodes"]]
                 if "episodes" in r
                 else [[Completion(**c) for c in per] for per in r["completions"]]
-                if "completions" in r
-                else r
             )
             done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
@@ -501,14 +510,15 @@ class Client:
             self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self.buffers[slot][:size]
 
-    def update_model_params(self, model, bucket_mb=32):
+    def update_model_params(self, model, bucket_mb=32, mode="drain"):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version. Tied weights are sent once, cast to the server's dtype. Two phases: POST
-        /update_weights announces every tensor (name, dtype, shape, offset in its bucket) and
-        answers once the server has drained and its workers are receiving; only then do we send, so
-        a slow drain cannot time our sends out. ipc: one buffer the workers copy from; nccl/gloo:
-        buckets of at most `bucket_mb` MiB, through two alternating buffers (one is packed while one
-        travels)."""
+        weight version. Tied weights are sent once, cast to the server's dtype. One call: POST
+        /update_weights announces every tensor (name, dtype, shape, offset in its bucket); the
+        server answers a first line once it has drained and its workers receive, and only then do
+        we send, so a slow drain cannot time our sends out; its second line is the new version.
+        ipc: one buffer the workers copy from; nccl/gloo: buckets of at most `bucket_mb` MiB,
+        through two alternating buffers (one is packed while one travels). `mode`: what becomes
+        of the requests in flight, "drain" or "in-flight" (engine.Engine.update_weights)."""
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
@@ -518,42 +528,41 @@ class Client:
             fill(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
-        # phase 1; a 4xx here means nothing was sent, and the group stays as it is
-        reply = self._request(
-            "POST",
-            "/update_weights",
-            {"buckets": [b for b, _ in buckets]},
-            timeout=self.weight_sync_timeout * 2 + 30,
-        )
-        try:  # phase 2
-            start = time.perf_counter()
-            if self.transport != "ipc":
-                sending = [None, None]  # the work in flight from each buffer
-                for i, (bucket, tensors) in enumerate(buckets):
-                    if sending[i % 2] is not None:
-                        # its buffer is ours again
-                        finish(*sending[i % 2], self.weight_sync_timeout)
-                    buffer = self._buffer(i % 2, bucket["size"])
-                    fill(buffer, bucket, tensors)
-                    sending[i % 2] = (
-                        self.group.broadcast([buffer], dist.BroadcastOptions()),
-                        buffer,
-                    )
-                for work in filter(None, sending):
-                    finish(*work, self.weight_sync_timeout)
-            # packing and sending every bucket; ipc: nothing to send
-            send_s = time.perf_counter() - start
-            self.last_update = {
-                "send_s": send_s,
-                **self.get_future(
-                    reply["request_id"], self.weight_sync_timeout * (1 + len(buckets))
-                ),
-            }
-        except Exception:
-            self._drop_group()  # a failed update: the server's workers left the group too
-            raise
+        # an error status here means nothing was sent, and the group stays as it is
+        body = {"buckets": [b for b, _ in buckets], "mode": mode}
+        answer = self._request("POST", "/update_weights", body, stream=True)
+        with answer:
+            try:
+                lines = answer.iter_lines()
+                read_line(lines)  # {"receiving": true}
+                start = time.perf_counter()
+                if self.transport != "ipc":  # ipc: nothing to send
+                    self._send_buckets(buckets)
+                # packing and sending every bucket
+                send_s = time.perf_counter() - start
+                result = read_line(lines)
+            except Exception:
+                self._drop_group()  # a failed update: the server's workers left the group too
+                raise
+        if "error" in result:  # the workers left the group, or the server exits
+            self._drop_group()
+            raise ServerError(result["status"], result["error"])
         # and send_s here, receive_s and load_s in the workers: where the time went
-        return self.last_update["version"]
+        self.last_update = {"send_s": send_s, **result}
+        return result["version"]
+
+    def _send_buckets(self, buckets):
+        """Broadcast the buckets (nccl/gloo), packing each next one while the last one travels."""
+        sending = [None, None]  # the work in flight from each buffer
+        for i, (bucket, tensors) in enumerate(buckets):
+            if sending[i % 2] is not None:
+                # its buffer is ours again (NCCL: the copies into it wait on the stream)
+                sending[i % 2][0].wait()
+            buffer = self._buffer(i % 2, bucket["size"])
+            fill(buffer, bucket, tensors)
+            sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
+        for work in filter(None, sending):
+            finish(*work, self.weight_sync_timeout)
 
     def _named_tensors(self, model):
         """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens)
@@ -568,6 +577,14 @@ class Client:
             for name, t in items
             if name in self.spec or t.data_ptr() not in known
         ]
+
+
+def read_line(lines):
+    """The next JSON line of an answer read as it comes (/update_weights)."""
+    try:
+        return json.loads(next(lines))
+    except (StopIteration, requests.RequestException) as e:
+        raise ConnectionError(f"the server went away mid-answer: {e!r}") from None
 
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------

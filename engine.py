@@ -7,7 +7,8 @@ In reading order:
 1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
    it.
    `update_weights` closes the gate, drains, loads, bumps the version and reopens: no completion
-   mixes two.
+   mixes two. An update is atomic: it bumps the version, or keeps the old weights and version, or
+   the engine fails for good and the server exits.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -26,6 +27,7 @@ import uuid
 from contextlib import AsyncExitStack, suppress
 
 import torch
+import torch.distributed as dist
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
@@ -36,9 +38,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from client import (
     Completion,
     Episode,
-    broadcast,
     close_group,
     device_uuid,
+    finish,
     open_cuda,
     unpack,
     weight_group,
@@ -58,9 +60,11 @@ class Engine:
         self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
         self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
-        self.load_error = None  # set when an update failed while loading: the weights are mixed
+        self.load_error = None  # set when an update failed while loading: the server then exits
         # vLLM logs why its engine core died in the worker processes only: they copy it here
         self.worker_errors = os.path.join(tempfile.gettempdir(), f"vllm-errors-{uuid.uuid4()}.log")
+        # vLLM 0.26: request id -> {completion index: [[version, first token]]} (version_spans)
+        self.marks = {}
         self.tokenizer = self.llm.tokenizer
         # most sequences decoded at once
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
@@ -95,7 +99,8 @@ class Engine:
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
-        tasks = [asyncio.ensure_future(self._one(p, final_only(params), priority)) for p in prompts]
+        sampling = final_only(params)
+        tasks = [asyncio.ensure_future(self._one(p, sampling, priority, version)) for p in prompts]
         try:
             outputs = await asyncio.gather(*tasks)
         except BaseException:  # one prompt failed or the caller gave up: abort the others too
@@ -107,70 +112,124 @@ class Engine:
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
+        marks = [self.marks.pop(out.request_id, {}) for out in outputs]
         return [
-            [
-                Completion(
-                    c.text,
-                    list(c.token_ids),
-                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                    c.finish_reason,
-                    version,
-                    top_k(c.logprobs, params.logprobs),
-                )
-                for c in sorted(out.outputs, key=lambda c: c.index)
-            ]
-            for out in outputs
+            [completion(c, params.logprobs, version, m) for c in sorted(out.outputs, key=index)]
+            for out, m in zip(outputs, marks)
         ]
 
-    async def _one(self, prompt, params, priority):
+    async def _one(self, prompt, params, priority, version):
         prompt = (
             {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
         )
+        # vLLM's prefix cache keyed by weight version: no request reuses the KV of other weights
+        prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions
         stream = self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, priority=priority)
         outputs = [out async for out in stream]
         return outputs[-1]
 
     async def update_weights(
-        self, buckets, weight_sync_timeout=60.0, drain_timeout=60.0, ready=None
+        self, buckets, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, ready=None
     ):
-        """Drain, load new weights in the workers (WeightSyncWorker.receive_weights), bump the
-        version; returns it and the workers' timings. `ready` (a future) is resolved once the
-        workers are told to receive: the trainer may send. A drain longer than `drain_timeout`
-        changes nothing (TimeoutError); a failed receive keeps the old weights and version; a load
-        that fails part-way leaves mixed weights, so the engine marks itself failed (`self.error`)
-        and refuses requests."""
+        """Load new weights in the workers (WeightSyncWorker.receive_weights) and bump the version;
+        returns it and the workers' timings. `ready` (a future) is resolved once the workers are
+        told to receive: the trainer may send. From then on an update is atomic (see `load`).
+        New requests wait at the gate meanwhile; the requests in flight, by `mode`:
+          drain      finish on the old weights first (within `drain_timeout`, or a TimeoutError
+                     and nothing was sent): no completion mixes two versions;
+          in-flight  stop where they are, and go on after the update with the new weights: their
+                     KV is computed again, so each token after it is the new weights' own, and
+                     each completion carries the version of every token (`versions`)."""
         async with self.update_lock:
-            self.gate.clear()  # new requests wait at the gate
+            self.gate.clear()
+            start = time.perf_counter()
             try:
-                async with self.idle:  # let in-flight requests finish on the old version
-                    try:
-                        await asyncio.wait_for(
-                            self.idle.wait_for(lambda: self.in_flight == 0), drain_timeout
-                        )
-                    except asyncio.TimeoutError:
-                        raise TimeoutError(
-                            f"{self.in_flight} prompts still generating after the drain timeout "
-                            f"of {drain_timeout} s; nothing was sent"
-                        ) from None
-                if ready is not None:
-                    ready.set_result(None)
-                answers = await self.llm.collective_rpc(
-                    "receive_weights",
-                    timeout=weight_sync_timeout * (1 + len(buckets)),
-                    args=(buckets,),
-                )
-                if failed := [a["load_error"] for a in answers if "load_error" in a]:
-                    self.load_error = f"weights half-loaded by a failed update: {failed[0]}"
-                    raise RuntimeError(self.load_error)
-                # old KV must not be reused
-                await asyncio.wait_for(self.llm.reset_prefix_cache(), weight_sync_timeout)
-                self.version += 1
-                async with self.new_version:
-                    self.new_version.notify_all()
-                return self.version, answers[0]
+                if mode == "drain":
+                    await self.drain(drain_timeout)
+                else:
+                    # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
+                    # requests in flight where they are, then sleeps 20 ms so that outputs already
+                    # sent are processed first. Nothing here needs that (track_versions is read
+                    # after the load), so we ask its engine core; resume_generation() undoes it.
+                    pause = self.llm.engine_core.pause_scheduler_async(
+                        mode="keep", clear_cache=False
+                    )
+                    await asyncio.wait_for(pause, weight_sync_timeout)
+                ready.set_result(None)
+                drain_s = time.perf_counter() - start
+                # requests paused mid-way, whose KV is the old weights'
+                paused = mode != "drain" and self.in_flight > 0
+                version, timings = await self.load(buckets, weight_sync_timeout, paused)
+                return version, {"drain_s": drain_s, **timings}
             finally:
+                if mode != "drain" and not self.error:
+                    await asyncio.wait_for(self.llm.resume_generation(), weight_sync_timeout)
                 self.gate.set()
+
+    async def drain(self, timeout):
+        """Let the requests in flight finish on the old version, within `timeout` seconds."""
+        async with self.idle:
+            try:
+                await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"{self.in_flight} prompts still generating after the drain timeout "
+                    f"of {timeout} s; nothing was sent"
+                ) from None
+
+    async def load(self, buckets, timeout, paused=False):
+        """Receive and load in every worker, forget the KV of the requests `paused` in flight, bump
+        the version. It ends in one of three ways (the server never cancels it: an update is no
+        entry of its futures table):
+        - the version goes up by one: every worker loaded the new weights;
+        - ConnectionError: the weights never arrived (the trainer died or timed out), nothing was
+          loaded, the old weights and version stay;
+        - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
+          part-way, or a worker did not answer, or the paused requests' KV (the old weights')
+          was not dropped, or vLLM 0.32 did not take the version's label. The weights may be
+          mixed: no request is served any more, and the server exits non-zero
+          (server.watch_engine), as when vLLM's engine dies, so that a supervisor restarts it on
+          its checkpoint. We do not wait for a later push to heal it: what made a load fail (a
+          CUDA error, a model family we load wrongly) usually stays."""
+        start = time.perf_counter()
+        try:
+            answers = await self.llm.collective_rpc(
+                "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
+            )
+        except Exception as e:
+            self.fail(f"a worker did not answer the update: {e!r}")
+        missed = [a["receive_error"] for a in answers if "receive_error" in a]
+        if len(missed) == len(answers):
+            raise ConnectionError(f"the new weights did not arrive: {missed[0]}")
+        if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
+            self.fail(f"a worker failed to load its weights: {failed[0]}")
+        rpc_s = time.perf_counter() - start
+        try:
+            # vLLM drops the paused requests' KV (and the prefix cache) and computes it again with
+            # the new weights (0.26 and 0.32 alike). It costs a loop over every KV block in Python
+            # (~0.1 s for 2.6M blocks): updates with nothing paused need none, as the prefix cache
+            # is keyed by version (Engine._one).
+            if paused and not await asyncio.wait_for(
+                self.llm.reset_prefix_cache(reset_running_requests=True), timeout
+            ):
+                raise RuntimeError("vLLM's reset_prefix_cache returned False")
+            paused = await asyncio.wait_for(track_versions(self.llm, self.version + 1), timeout)
+        except Exception as e:
+            self.fail(
+                f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
+            )
+        self.version += 1
+        for (request_id, i), n in paused.items():
+            self.marks.setdefault(request_id, {}).setdefault(i, []).append([self.version, n])
+        async with self.new_version:
+            self.new_version.notify_all()
+        reset_s = time.perf_counter() - start - rpc_s
+        return self.version, {**answers[0], "rpc_s": rpc_s, "reset_s": reset_s}
+
+    def fail(self, why):
+        self.load_error = f"weights possibly mixed by a failed update: {why}"
+        raise RuntimeError(self.load_error)
 
     async def wait_for_version(self, version, timeout):
         """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
@@ -226,6 +285,50 @@ def final_only(params: SamplingParams) -> SamplingParams:
     return params
 
 
+def index(output):
+    return output.index
+
+
+def completion(c, k, version, marks) -> Completion:
+    """Our Completion of vLLM's CompletionOutput `c`, admitted at weights `version`."""
+    spans = version_spans(c, version, marks)
+    logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+    return Completion(
+        c.text,
+        list(c.token_ids),
+        logprobs,
+        c.finish_reason,
+        spans[0][0],
+        top_k(c.logprobs, k),
+        spans,
+    )
+
+
+def version_spans(c, version, marks):
+    """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first. vLLM
+    0.32 labels the tokens with what track_versions set ("default" before it: our 0). vLLM 0.26 does
+    not, and the engine counted each completion's tokens at each in-flight update (`marks`: {index:
+    [[version, tokens before it]]}), exact for the requests vLLM held when it paused."""
+    labelled = getattr(c, "weight_versions", None)
+    if labelled:
+        return [[0 if s.version == "default" else int(s.version), s.start] for s in labelled]
+    starts = {0: version} | {start: v for v, start in marks.get(c.index, [])}
+    return [[v, start] for start, v in starts.items()]
+
+
+async def track_versions(llm, version):
+    """Once weights `version` are loaded, before generation goes on: vLLM 0.32 labels every token
+    it samples from now on with `version` (version_spans reads the labels). vLLM 0.26 cannot: it
+    returns {(request id, completion index): tokens sampled so far} of the requests paused in
+    flight (none after a drain), read from vLLM's output processor, for the engine to mark where
+    `version` begins."""
+    if hasattr(llm, "update_weight_version"):
+        await llm.update_weight_version(str(version))
+        return {}
+    states = llm.output_processor.request_states.values()
+    return {(r.external_req_id, r.request_index): r.detokenizer.num_output_tokens() for r in states}
+
+
 def check_encodable(params: SamplingParams):
     """Raise unless `params` survive the msgpack round trip by which the engine's input thread
     receives every request: a field of the wrong type would kill that thread for good."""
@@ -261,7 +364,7 @@ class WeightSyncWorker:
     that exists before a server starts and after it restarts, so it hosts the group's store, and
     it is the root of every broadcast (weights only ever flow from trainer to workers)."""
 
-    transport, group, ipc_buffers = None, None, []
+    transport, group, ipc_buffers, loads = None, None, [], 0
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()
@@ -285,9 +388,9 @@ class WeightSyncWorker:
         self.transport, self.group, self.ipc_buffers = None, None, []
 
     def receive_weights(self, buckets):
-        """Receive every bucket, then load them all at once: a trainer that dies mid-transfer leaves
-        the old weights (the group is dropped and the error raised). A failure *while loading* is
-        returned as {"load_error": ...}: the engine then knows its weights are mixed."""
+        """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
+        the old weights: the group is dropped and {"receive_error": ...} returned. A failure *while
+        loading* is returned as {"load_error": ...}: the engine then knows its weights are mixed."""
         start = time.perf_counter()
         try:
             received = []
@@ -309,14 +412,24 @@ class WeightSyncWorker:
                         dtype=torch.uint8,
                         device="cpu" if self.transport == "gloo" else self.device,
                     )
-                    broadcast(self.group, buffer, self.weight_sync_timeout)
+                    work = self.group.broadcast([buffer], dist.BroadcastOptions())
+                    # gloo: until it arrived; NCCL: this GPU's stream waits for it, no sync
+                    work.wait()
                     # gloo: one copy to the GPU per bucket
                     received += unpack(buffer.to(self.device), b["params"])
-        except Exception:
+                # NCCL: the last one (and so every one before it) has arrived, within the timeout
+                finish(work, buffer, self.weight_sync_timeout)
+        except Exception as e:
             self.close_communicator()
-            raise
+            return {"receive_error": f"{type(e).__name__}: {e}"}
         received_at = time.perf_counter()
+        self.loads += 1
         try:
+            # a test-only hook, set in a server's environment by tests/test_weight_sync.py: the
+            # Nth load of this worker fails after loading half its tensors, as a real load may
+            if self.loads == int(os.environ.get("ASYNC_GRPO_FAIL_LOAD", 0)):
+                load_weights(self.model_runner, received[: len(received) // 2])
+                raise RuntimeError("ASYNC_GRPO_FAIL_LOAD: failed after half the tensors")
             load_weights(self.model_runner, received)
         except Exception as e:
             return {"load_error": f"{type(e).__name__}: {e}"}
@@ -516,7 +629,7 @@ class RolloutEngine:
         call_start, call_end = call_start or self.call_start, call_end or self.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-        ep = Episode(list(ids), [0] * len(ids), [None] * len(ids), [], [], "max_turns")
+        ep = Episode(list(ids), [0] * len(ids), [None] * len(ids), [], [], "max_turns", [])
         budget = max_episode_tokens  # tokens after the prompt: sampled and tool output
         for turn in range(max_turns):
             p = params.clone()
@@ -528,6 +641,7 @@ class RolloutEngine:
             p.stop = list(params.stop or []) + [call_end]
             p.seed = None if params.seed is None else params.seed + 1000 * k + turn
             [[c]] = await self.engine.generate([ep.token_ids], p)
+            ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
             ep.token_ids += c.token_ids  # exactly as sampled: never re-tokenised
             ep.loss_mask += [1] * len(c.token_ids)
             ep.logprobs += c.logprobs

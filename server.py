@@ -143,11 +143,14 @@ def parse_prompts(body, state) -> list:
 
 
 def parse_sampling(body, state, extra=()) -> SamplingParams:
-    """SamplingParams from the body's fields, within the server's caps, or a 400."""
-    if unknown := sorted(set(body) - set(SAMPLING_FIELDS) - {"prompts", "priority", *extra}):
+    """SamplingParams from the body's fields, within the server's caps, or a 400. Also checks
+    "keep_result", which submit() reads."""
+    known = {"prompts", "priority", "keep_result", *extra}
+    if unknown := sorted(set(body) - set(SAMPLING_FIELDS) - known):
         raise ApiError(
             400, f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}"
         )
+    get(body, "keep_result", bool, False)
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     for k, v in fields.items():
         if not (k == "stop" and isinstance(v, str)):  # vLLM takes one stop string or a list of them
@@ -188,15 +191,17 @@ def check_room(app, count=1):
 
 def submit(app, body, work) -> str:
     """Start `work` (a coroutine or task) under a new id, remembering its arguments. Once it is
-    done, its result waits --result-ttl seconds to be fetched, then it is dropped."""
+    done, its result waits --result-ttl seconds to be fetched, then it is dropped; with
+    "keep_result" in the body, until it is fetched or aborted (a trainer's queued step)."""
     state = app[STATE]
     request_id, task = uuid.uuid4().hex, asyncio.ensure_future(work)
     state.tasks[request_id] = (task, args_key(body))
-    task.add_done_callback(
-        lambda _: asyncio.get_running_loop().call_later(
-            state.opts.result_ttl, expire, app, request_id
+    if not body.get("keep_result"):
+        task.add_done_callback(
+            lambda _: asyncio.get_running_loop().call_later(
+                state.opts.result_ttl, expire, app, request_id
+            )
         )
-    )
     return request_id
 
 
@@ -540,36 +545,54 @@ def check_buckets(buckets, spec, dtype, transport):
 
 
 async def update_weights(request):
-    """Phase 1 of an update: validate, drain, tell the workers to receive; answer 202 with a
-    request id once they are receiving. The trainer then sends and collects the new version
-    (and the workers' receive_s and load_s) with /get_future."""
+    """One weight update in one call (body: buckets, and a `mode`: "drain", the default, or
+    "in-flight", see Engine.update_weights), answered as two JSON lines: {"receiving": true} once
+    the workers receive (only then does the trainer send: a long drain cannot time its sends out),
+    then {"version", "receive_s", "load_s"} once loaded, or {"error", "status"}. An update is no
+    entry of the futures table: once its workers receive, nothing cancels it (no /abort, no full
+    table, no dropped connection), and it ends as Engine.load says: the version bumped; the old
+    weights and version kept (status 502: the transfer failed; set up weight sync again); or the
+    server exiting non-zero (500: a failed load may have mixed the weights). Before the first line:
+    400 for a wrong announcement, 409 without weight sync, 503 for a drain longer than
+    --drain-timeout (nothing was sent: try again)."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
+    mode = body.get("mode", "drain")
+    if mode not in ("drain", "in-flight"):
+        raise ApiError(400, "'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
     if not state.transport:
         raise ApiError(409, "no weight sync set up: call /init_communicator first")
     ready = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(run_update(request.app, body["buckets"], ready))
+    task = asyncio.ensure_future(run_update(request.app, body["buckets"], mode, ready))
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
     if not ready.done():
         raise ApiError(
             503, f"weight update refused, version {engine.version} kept: {task.exception()}"
         )
-    return web.json_response({"request_id": submit(request.app, body, task)}, status=202)
+    answer = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await answer.prepare(request)
+    await answer.write(b'{"receiving": true}\n')
+    # asyncio.wait never cancels the task, even when this call is cancelled
+    await asyncio.wait([task])
+    error = task.exception()
+    result = (
+        {"error": str(error), "status": 500 if engine.error else 502} if error else task.result()
+    )
+    await answer.write(json.dumps(result).encode() + b"\n")
+    return answer
 
 
-async def run_update(app, buckets, ready):
+async def run_update(app, buckets, mode, ready):
     engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
     try:
         version, timings = await engine.update_weights(
-            buckets, opts.weight_sync_timeout, opts.drain_timeout, ready
+            buckets, mode, opts.weight_sync_timeout, opts.drain_timeout, ready
         )
     except Exception as e:
         if engine.error:
-            raise RuntimeError(
-                f"weight update failed while loading; the server is unhealthy: {engine.error}"
-            ) from None
+            raise RuntimeError(f"weight update failed; the server exits: {engine.error}") from None
         if not ready.done():
             raise
         state.transport = None  # the workers left the group
@@ -947,9 +970,10 @@ def make_metrics():
 
 
 async def watch_engine(app):
-    """Stop the server when vLLM's engine core is gone for good, so that it exits non-zero and a
-    supervisor restarts it. AsyncLLM only exposes this as a flag, hence the check every second."""
-    while not app[ENGINE].llm.errored:
+    """Stop the server when the engine cannot serve any more (vLLM's engine core is gone for good,
+    or a weight update failed while loading), so that it exits non-zero and a supervisor restarts
+    it. AsyncLLM only exposes this as a flag, hence the check every second."""
+    while not app[ENGINE].error:
         await asyncio.sleep(1)
     print(f"engine failed: {app[ENGINE].error}; stopping the server", file=sys.stderr, flush=True)
     app[STATE].engine_died = True

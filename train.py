@@ -17,6 +17,7 @@ Where this departs from the GRPO paper:
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import importlib
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from statistics import mean
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,17 +122,23 @@ class Config:
     schedule: str = flag(
         "overlap",
         "overlap: submit the whole step, train on micro-batches of prompts in the order their "
-        "groups finish; overlap-priority: N requests, finishing in order on a throttled "
-        "server; sync-batch: generate the whole step as one batch, then train",
-        ["overlap", "overlap-priority", "sync-batch"],
+        "groups finish; sync-batch: generate the whole step as one batch, then train",
+        ["overlap", "sync-batch"],
     )
     max_staleness: int = flag(
         0,
-        "0: every sample comes from the weights it is trained on (exactly on-policy); 1: step "
-        "s+1 generates on the weights of step s while step s trains, corrected by truncated "
-        "importance sampling",
+        "K. 0: every sample comes from the weights it is trained on (exactly on-policy); K >= 1: "
+        "steps s+1..s+K generate on older weights while step s trains, K versions behind, "
+        "corrected by truncated importance sampling",
     )
-    is_cap: float = flag(2.0, "cap of the importance weights of stale samples (TIS)")
+    update_mode: str = flag(
+        "drain",
+        "drain: a push lets the requests in flight finish on the old weights (no sample mixes "
+        "versions); in-flight: it pauses them, and they go on with the new weights (with K = 0 "
+        "nothing is in flight at a push)",
+        ["drain", "in-flight"],
+    )
+    is_cap: float = flag(2.0, "cap of the importance weights of stale tokens (TIS)")
     mismatch_warning: float = flag(
         0.05,
         "warn at the first step if the mean |trainer - server| logprob of the sampled tokens "
@@ -155,7 +163,7 @@ class Config:
                 self.prompts_per_step % self.micro_batches,
                 "prompts_per_step must be divisible by micro_batches",
             ),
-            (self.max_staleness not in (0, 1), "max_staleness must be 0 or 1"),
+            (self.max_staleness < 0, "max_staleness must be >= 0"),
             (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
             (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}"),
             # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
@@ -178,11 +186,6 @@ class Config:
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
-
-    @property
-    def micro_batch_seqs(self):
-        """Sequences in one micro-batch of a step: what overlap-priority admits at a time."""
-        return self.prompts_per_step // self.micro_batches * self.group_size
 
 
 def parse_config(argv=None) -> Config:
@@ -456,28 +459,29 @@ def check_logprobs(model, tok, text, atol=1e-3):
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
     logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
-    sampled; advantages (B,); mask (B, T); stale (B,) True for samples from older weights. w = 1
-    on-policy; stale samples get truncated importance sampling (TIS): w = min(p / p_old, is_cap)
-    per token, without gradient. The caller divides the step's gradient by its completion tokens."""
+    sampled; advantages (B,); mask (B, T); stale (B, T) True for tokens sampled by older weights.
+    w = 1 on-policy; stale tokens get truncated importance sampling (TIS): w = min(p / p_old,
+    is_cap), without gradient. The caller divides the step's gradient by its completion tokens."""
     ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
-    w = torch.where(stale[:, None], ratio, torch.ones_like(ratio))
+    w = torch.where(stale, ratio, torch.ones_like(ratio))
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
 
 
 def sequence(row, sample, tok, reward_fn=answer_reward):
     """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward
-    (`reward_fn` of the completion and the row), and the weight versions that produced it (an
-    episode has one per turn)."""
+    (`reward_fn` of the completion and the row), and the weight version that sampled each token."""
     # Client.session's episode is None when the calls do not continue one another token for token
     if sample is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
     if isinstance(sample, Episode):
+        # an episode merged from a session has no spans: its first turn's version
+        spans = sample.versions or [[sample.turns[0]["version"], 0]]
         return {
             "ids": sample.token_ids,
             "mask": sample.loss_mask,
             "logprobs": sample.logprobs,
             "reward": score(reward_fn, sample.turns[-1]["text"], row),
-            "versions": [t["version"] for t in sample.turns],
+            "versions": per_token(spans, 0, len(sample.token_ids)),
         }
     prompt = tok(row["prompt"]).input_ids
     return {
@@ -485,8 +489,15 @@ def sequence(row, sample, tok, reward_fn=answer_reward):
         "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
         "logprobs": [None] * len(prompt) + sample.logprobs,
         "reward": score(reward_fn, sample.text, row),
-        "versions": [sample.version],
+        "versions": per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
     }
+
+
+def per_token(spans, offset, length):
+    """The version of each of `length` tokens, from [[version, first token]] spans that count from
+    `offset` (tokens before it, never trained on, take the first version)."""
+    starts = [0] + [offset + start for _, start in spans[1:]] + [length]
+    return [v for (v, _), a, b in zip(spans, starts, starts[1:]) for _ in range(a, b)]
 
 
 # -- the schedules: submit() sends a step's prompts, collect() hands them to the trainer -----------
@@ -505,12 +516,14 @@ def requester(client, cfg):
 def submit(client, rows, cfg, min_version=0):
     """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
     `min_version` the server holds them until those weights are loaded (no round trip needed)."""
-    request, N, size = requester(client, cfg), cfg.micro_batches, len(rows) // cfg.micro_batches
+    request = requester(client, cfg)
     sampling = dict(
         n=cfg.group_size,
         temperature=cfg.temperature,
         max_tokens=cfg.max_tokens,
         min_version=min_version,
+        # a queued step's results wait on the server, however long the steps before it train
+        keep_result=True,
         is_async=True,
     )
     if cfg.seed_requests:
@@ -527,13 +540,6 @@ def submit(client, rows, cfg, min_version=0):
                 client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling),
             )
         )
-    # N requests, lower priority first, on a throttled server
-    if cfg.schedule == "overlap-priority":
-        chunks = [rows[i * size : (i + 1) * size] for i in range(N)]
-        return [
-            (c, request([r["prompt"] for r in c], priority=i, **sampling))
-            for i, c in enumerate(chunks)
-        ]
     # sync-batch: the whole step as one request
     return [(rows, request([r["prompt"] for r in rows], **sampling))]
 
@@ -554,10 +560,6 @@ def collect(client, rows, submitted, cfg):
             if len(done) == size:
                 yield [r for r, _, _ in done], [g for _, g, _ in done], [m for _, _, m in done]
                 done = []
-    # in submission order: the throttled server finishes them so
-    elif cfg.schedule == "overlap-priority":
-        for chunk, future in submitted:
-            yield chunk, future.result(), [future.timing]
     else:  # sync-batch: wait for the whole step, then train on its slices
         [(_, future)] = submitted
         results = future.result()
@@ -679,12 +681,14 @@ def draw_timeline(ax, history, steps=4):
 
 
 # -- the loop --------------------------------------------------------------------------------------
-def accumulate_step(client, model, tok, rows, submitted, cfg, version):
+def accumulate_step(client, model, tok, rows, submitted, cfg, version, staleness):
     """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
-    each micro-batch as it lands. Returns the step's rewards, tokens, staleness, importance weights
-    and trainer-minus-server logprobs, and the intervals (time.time()) of generation on the server
-    and training here."""
-    rewards_all, tokens, staleness, weights, deltas, gen, trained = [], 0, [], [], [], [], []
+    each micro-batch as it lands. The step was submitted `staleness` pushes ago: with drain
+    updates every token must be that many versions behind our weights, in flight at most that
+    many; a run that departs from its schedule's promise stops. Returns the step's rewards,
+    tokens, per-token staleness, importance weights and trainer-minus-server logprobs, and the
+    intervals (time.time()) of generation on the server and training here."""
+    rewards_all, tokens, lags, weights, deltas, gen, trained = [], 0, [], [], [], [], []
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
     for mb, samples, timings in collect(client, rows, submitted, cfg):
@@ -692,32 +696,34 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version):
         gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
         # B = prompts * G
         seqs = [sequence(r, x, tok, reward_fn) for r, group in zip(mb, samples) for x in group]
-        # (B,) how many updates old
-        lag = torch.tensor([version - min(seq["versions"]) for seq in seqs])
-        if (lag < 0).any() or (lag > cfg.max_staleness).any():
+        versions = {v for seq in seqs for v in seq["versions"]}
+        oldest = staleness if cfg.update_mode == "drain" else 0
+        if min(versions) < version - staleness or max(versions) > version - oldest:
             if client.health()["version"] < version:  # versions start again at 0 in a new server
                 raise ConnectionError(
                     f"the server restarted: its weight version went back from {version}"
                 )
             raise RuntimeError(
-                f"sample versions {sorted(set((version - lag).tolist()))} "
-                f"at trainer version {version}: "
-                f"more than --max-staleness {cfg.max_staleness} behind"
+                f"sample versions {sorted(versions)} at trainer version {version}: the schedule "
+                f"promises {oldest} to {staleness} behind"
             )
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
         # (B,) within whole groups, before any split
         advantages = group_advantages(rewards).flatten()
-        n, w, d = backward(model, seqs, advantages, lag, cfg, tok.pad_token_id)
+        n, w, d = backward(model, seqs, advantages, version, cfg, tok.pad_token_id)
+        # how many versions behind ours the weights that sampled each completion token are
+        lags.append(
+            torch.tensor([version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m])
+        )
         tokens += n
         weights.append(w)
         deltas.append(d)
         rewards_all.append(rewards.flatten())
-        staleness += lag.tolist()
         trained.append([t_ready, time.time()])
     return {
         "rewards": torch.cat(rewards_all),
         "tokens": tokens,
-        "staleness": staleness,
+        "staleness": torch.cat(lags),
         "is_weights": torch.cat(weights),
         "logprob_deltas": torch.cat(deltas),
         "gen": gen,
@@ -725,11 +731,11 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version):
     }
 
 
-def backward(model, seqs, advantages, lag, cfg, pad_id):
-    """Accumulate the policy gradient of `seqs` (advantages and lags (B,)), --train-micro-batch
-    sequences per forward/backward: any split gives the same summed gradient. Returns the number
-    of completion tokens, the stale samples' importance weights, and trainer minus server logprob
-    of each sampled token of the samples from the current weights (for mismatch_metrics)."""
+def backward(model, seqs, advantages, version, cfg, pad_id):
+    """Accumulate the policy gradient of `seqs` (advantages (B,)) on our weights `version`,
+    --train-micro-batch sequences per forward/backward: any split gives the same summed gradient.
+    Returns the number of completion tokens, the stale tokens' importance weights, and trainer
+    minus server logprob of each sampled token from the current weights (for mismatch_metrics)."""
     # every completion token counts in the step's divisor: the skipped samples' below too
     tokens = sum(sum(seq["mask"][1:]) for seq in seqs)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
@@ -738,7 +744,6 @@ def backward(model, seqs, advantages, lag, cfg, pad_id):
     keep = (advantages != 0).nonzero().flatten()
     seqs = [seqs[i] for i in keep]
     advantages = advantages[keep]
-    stale = lag[keep] > 0
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
     size = cfg.train_micro_batch or max(len(seqs), 1)
     for i in range(0, len(seqs), size):
@@ -750,13 +755,16 @@ def backward(model, seqs, advantages, lag, cfg, pad_id):
             [seq["mask"] for seq in part],
             [seq["logprobs"] for seq in part],
         )
+        versions = [torch.tensor(x["versions"]) for x in part]
+        # (b, T-1) True where weights older than ours sampled the target token
+        stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
             logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
         old, sampled = batch["old_logprobs"], batch["mask"] > 0
-        loss, w = pg_loss(logprobs, old, advantages[sl], batch["mask"], stale[sl], cfg.is_cap)
+        loss, w = pg_loss(logprobs, old, advantages[sl], batch["mask"], stale, cfg.is_cap)
         loss.backward()  # gradients accumulate; normalised once the whole step is in
-        weights.append(w[stale[sl][:, None] & sampled])
-        deltas.append((logprobs.detach() - old)[~stale[sl][:, None] & sampled])
+        weights.append(w[stale & sampled])
+        deltas.append((logprobs.detach() - old)[~stale & sampled])
     return tokens, torch.cat(weights), torch.cat(deltas)
 
 
@@ -780,11 +788,12 @@ def unless_lost():
 
 def server_lost(e):
     """Errors after which the server may come back: unreachable, restarted (it no longer knows
-    our request ids: 404), or failing (5xx). A 4xx is our own mistake and is raised. A server
-    whose engine died says so, with the cause: waiting will not bring it back, so the run stops."""
+    our request ids: 404), or failing (502-504). A 4xx is our own mistake, and a 500 a failure that
+    would come again (a weight load that failed: the server exits): both are raised. A server whose
+    engine died says so, with the cause: waiting will not bring it back, so the run stops."""
     if getattr(e, "engine_dead", False):
         raise RuntimeError(f"the server's engine died: {e.message}") from None
-    return not isinstance(e, ServerError) or e.status == 404 or e.status >= 500
+    return not isinstance(e, ServerError) or e.status == 404 or e.status > 500
 
 
 def reconnect(client, model, cfg, why):
@@ -817,6 +826,62 @@ def reconnect(client, model, cfg, why):
             time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
 
 
+def step_gradient(client, model, tok, queue, cfg, version):
+    """Submit what is not submitted yet, and accumulate the gradient of the oldest queued step
+    (accumulate_step); if the server is lost meanwhile, reconnect, submit again and start over (at
+    most 3 times). Returns the step's statistics and our version."""
+    for attempt in range(3):
+        try:
+            for entry in (e for e in queue if e[1] is None):
+                entry[1:] = submit(client, entry[0], cfg), version
+            rows, futures, sampled = queue[0]
+            s = accumulate_step(client, model, tok, rows, futures, cfg, version, version - sampled)
+            queue.popleft()
+            return {**s, "reconnected": attempt > 0}, version
+        except (ConnectionError, ServerError) as e:
+            if attempt == 2 or not server_lost(e):
+                raise
+            model.zero_grad(set_to_none=True)
+            version = reconnect(client, model, cfg, e)
+            for entry in queue:
+                entry[1] = None  # what the lost server held is gone: submit again
+
+
+def optimizer_step(model, opt, s, cfg):
+    # the loss normalisation: divide the summed gradient by every completion token of the step
+    t0 = time.time()
+    for p in (p for p in model.parameters() if p.grad is not None):
+        p.grad /= max(s["tokens"], 1)
+    s["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    s["train"].append([t0, time.time()])
+
+
+def push(client, model, cfg, version, reconnected):
+    """Push our weights into the server and return the new version, one more than `version`: a
+    run whose versions depart from one per step stops (unless it reconnected to a new server). A
+    drain that takes long is no lost server: a healthy server's 503 says that requests were still
+    in flight after --drain-timeout and nothing was sent, and we push again, as long as it takes."""
+    while True:
+        try:
+            pushed = client.update_model_params(model, mode=cfg.update_mode)
+            break
+        except (ConnectionError, ServerError) as e:
+            if not server_lost(e):
+                raise
+            with contextlib.suppress(ConnectionError, ServerError):
+                if getattr(e, "status", 0) == 503 and client.health():
+                    continue
+            return reconnect(client, model, cfg, e)
+    if pushed != version + 1 and not reconnected:
+        raise RuntimeError(
+            f"one push took the server's weights from version {version} to {pushed}: "
+            "something else pushes into it, or an update was lost"
+        )
+    return pushed
+
+
 def train(cfg: Config, client: Client, data=None):
     """Run GRPO; `data`: load_data's (training rows, held-out rows), loaded here if not given."""
     torch.manual_seed(cfg.seed)
@@ -830,20 +895,14 @@ def train(cfg: Config, client: Client, data=None):
         # transformers checkpoints only in training mode; the models we train have no dropout
         model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start, rows, history = start_run(cfg, opt, rng, data)
+    start, queued_rows, history = start_run(cfg, opt, rng, data)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
     version = client.update_model_params(model)  # the server now samples from exactly these weights
-    if (
-        cfg.schedule == "overlap-priority"
-        and (decoded := client.health()["max_num_seqs"]) != cfg.micro_batch_seqs
-    ):
-        print(
-            f"warning: overlap-priority wants a server started with "
-            f"--max-num-seqs {cfg.micro_batch_seqs} (one micro-batch at a time); this one decodes "
-            f"{decoded} at once, so micro-batches may not finish in order"
-        )
     os.makedirs(cfg.out, exist_ok=True)
-    t_run, submitted = time.time(), None
+    t_run = time.time()
+    # the steps sampled and not yet trained on, oldest first: [rows, futures once submitted, the
+    # version they sample]
+    queue = collections.deque([step_rows, None, version] for step_rows in queued_rows)
     # `with client`: if anything below raises, the requests still generating on the server are
     # aborted
     with (
@@ -859,53 +918,23 @@ def train(cfg: Config, client: Client, data=None):
                 # if lost, this step reconnects below and goes on without this evaluation
                 with unless_lost():
                     evaluation = evaluate(client, held_out, cfg)
-            t_step, last = time.time(), step + 1 == cfg.steps
-            next_rows, next_submitted = rng.sample(data, cfg.prompts_per_step), None
-            # the step's samples and gradients; again if the server was lost
-            for attempt in range(3):
-                try:
-                    submitted = submitted or submit(client, rows, cfg)
-                    # step s+1 generates now, on these weights, while s trains
-                    if cfg.max_staleness == 1 and not last:
-                        next_submitted = next_submitted or submit(client, next_rows, cfg)
-                    s = accumulate_step(client, model, tok, rows, submitted, cfg, version)
-                    break
-                except (ConnectionError, ServerError) as e:
-                    if attempt == 2 or not server_lost(e):
-                        raise
-                    opt.zero_grad(set_to_none=True)
-                    version = reconnect(client, model, cfg, e)
-                    submitted = next_submitted = (
-                        None  # what the lost server held is gone: submit again
-                    )
-            # the loss normalisation: divide the summed gradient by every completion token of the
-            # step
-            t0 = time.time()
-            for p in (p for p in model.parameters() if p.grad is not None):
-                p.grad /= max(s["tokens"], 1)
-            s["grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.max_grad_norm
-            ).item()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            s["train"].append([t0, time.time()])
+            t_step = time.time()
+            # K = --max-staleness steps ahead: s+1..s+K generate on these weights while s trains
+            while len(queue) <= cfg.max_staleness and step + len(queue) < cfg.steps:
+                queue.append([rng.sample(data, cfg.prompts_per_step), None, version])
+            s, version = step_gradient(client, model, tok, queue, cfg, version)
+            optimizer_step(model, opt, s, cfg)
             # on-policy: the server holds step s+1 until the push below lands
-            if cfg.max_staleness == 0 and not last:
+            if cfg.max_staleness == 0 and step + 1 < cfg.steps:
+                queue.append([rng.sample(data, cfg.prompts_per_step), None, version + 1])
                 # if lost, the push below reconnects, and the next step submits again
                 with unless_lost():
-                    next_submitted = submit(client, next_rows, cfg, min_version=version + 1)
+                    queue[-1][1] = submit(client, queue[-1][0], cfg, min_version=version + 1)
             t_sync, sampled_version = time.time(), version
-            try:
-                # the next step samples from these (K = 0)
-                version = client.update_model_params(model)
-            except (ConnectionError, ServerError) as e:
-                if not server_lost(e):
-                    raise
-                version = reconnect(client, model, cfg, e)
+            version = push(client, model, cfg, version, s["reconnected"])
             s["sync"] = [[t_sync, time.time()]]
-            rows, submitted = next_rows, next_submitted
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save_checkpoint(cfg, model, tok, opt, step + 1, rng, rows)
+                save_checkpoint(cfg, model, tok, opt, step + 1, rng, [e[0] for e in queue])
             row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
             warn_mismatch(row, cfg)
@@ -916,7 +945,7 @@ def train(cfg: Config, client: Client, data=None):
         evals.append((cfg.steps, final_eval(client, held_out, cfg)))
     client.close_communicator()
     plot(history, os.path.join(cfg.out, "plot.png"), evals)
-    save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rows)
+    save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, [e[0] for e in queue])
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
         last = mean(h[key] for h in history[-5:])
@@ -953,7 +982,8 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
         "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
-        "staleness": sum(s["staleness"]) / len(s["staleness"]),
+        "staleness": s["staleness"].float().mean().item(),
+        "staleness_max": int(s["staleness"].max()),
         "is_weight_mean": w.mean().item(),
         "is_weight_max": w.max().item(),
         "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(s["is_weights"]) else 0.0,
@@ -971,8 +1001,8 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
 def mismatch_metrics(deltas):
     """How far the trainer's logprobs of the sampled tokens are from the server's (its processed
     logprobs: at the sampling temperature, as sampled). `deltas`: trainer minus server, one per
-    token trained on, from the samples of the current weights only: a stale sample's difference
-    would include one step of policy change (with --max-staleness 1 only step 0 has such samples;
+    token trained on that the current weights sampled: a stale token's difference would include
+    one step of policy change (with --max-staleness 1 only step 0 has such samples;
     is_weight_* then measures both together). mismatch_kl is the k3 estimate of KL(server ||
     trainer), mean over tokens of exp(d) - 1 - d: unbiased, since the server sampled the tokens,
     and never negative. None when no token qualifies."""
@@ -1035,18 +1065,20 @@ def state_path(run):
 def save_checkpoint(cfg, model, tok, opt, next_step, rng, rows):
     """Replace --out/checkpoint with everything the run needs to go on at `next_step`: the model and
     tokenizer (save_pretrained: a checkpoint is a model to serve too) and trainer_state.pt: the
-    optimizer, the step, and the data order (the sampler's RNG state and that step's rows)."""
+    optimizer, the step, and the data order (the sampler's RNG state and the rows of the steps
+    already sampled: `next_step` and, with --max-staleness K, the K after it)."""
     state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
     save_model(model, tok, os.path.join(cfg.out, "checkpoint"), {"trainer_state.pt": state})
 
 
 def start_run(cfg, opt, rng, data):
-    """(the first step, its rows, the metrics so far): a new run's, or with --resume (the model is
-    loaded from the checkpoint already) the checkpoint's, after restoring the optimizer and the
-    sampler's RNG; the metrics of the steps before the checkpoint's. Nothing else here draws random
-    numbers: the models have no dropout, and the server samples."""
+    """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's,
+    or with --resume (the model is loaded from the checkpoint already) the checkpoint's, after
+    restoring the optimizer and the sampler's RNG; the metrics of the steps before the
+    checkpoint's. Nothing else here draws random numbers: the models have no dropout, and the
+    server samples."""
     if not cfg.resume:
-        return 0, rng.sample(data, cfg.prompts_per_step), []
+        return 0, [rng.sample(data, cfg.prompts_per_step)], []
     state = torch.load(state_path(cfg.resume), weights_only=True)
     opt.load_state_dict(state["optimizer"])
     rng.setstate(state["rng"])
@@ -1091,17 +1123,11 @@ def main(argv=None):
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.server_url:
         return run(connect(cfg))
-    # overlap-priority needs admission control: the engine runs one micro-batch of sequences at a
-    # time
-    throttle = (
-        ("--max-num-seqs", str(cfg.micro_batch_seqs)) if cfg.schedule == "overlap-priority" else ()
-    )
     proc, client = launch_server(
         "--model",
         cfg.model,
         "--dtype",
         cfg.dtype or "float32",
-        *throttle,
         "--gpu-memory-utilization",
         str(cfg.gpu_memory_utilization),
         "--seed",

@@ -1,32 +1,33 @@
-"""GRPO step time of every schedule against the strongest synchronous one, on one machine.
+"""GRPO step time of every schedule and update mode against the strongest synchronous loop.
 
     # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
     .venv/bin/python bench/overlap.py
     # a bigger model: T grows faster than G
     .venv/bin/python bench/overlap.py --steps 6 --num-layers 6
-    # two GPUs: 64 prompts x 8 x <=128 tokens, ~1.06B params
+    # two GPUs: 64 prompts x 8 x <=128 tokens, ~1.06B params; one GPU: --device cuda
     python3 bench/overlap.py --device cuda:1 --dtype bfloat16
 
-CPU (--device cpu, the default): core 0 plays the inference GPU: servers are started pinned to it
-(their children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
+CPU (--device cpu, the default): core 0 plays the inference GPU: the server is started pinned to it
+(its children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
 GPU: this process, one torch thread.
-Two GPUs (--device cuda:1): no pinning. Each server is started on GPU 0 (launch_server's default
-GPU) with --dtype DTYPE, --gpu-memory-utilization 0.5 and, unthrottled, --max-num-seqs = the step's
-sequences (vLLM's default there is 128 at a time), compiled with CUDA graphs (no --enforce-eager).
-This process trains on cuda:1 (train.Config(device="cuda:1", bf16=True): fp32 master weights, bf16
-autocast) and pushes its weights over NCCL (the client's choice for a trainer on another GPU than
-the server's). The model is bigger than on CPU (by default hidden 2048 x 28 layers, 32 heads of 64,
-16 KV heads: ~1.06B parameters, random weights in --dtype) and so is the step (64 prompts x 8 x
-<=128 tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=`
-line shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
-Either way `train.train` runs once per schedule with the same Config except the schedule and `out`,
-each on the server settings it needs:
-  sync-batch        the baseline: the whole step as one batch, then train; unthrottled server
-  overlap           the default: the whole step submitted at once, micro-batches of prompts trained
-                    on in the order their groups finish; unthrottled server
-  overlap K=1       the same with --max-staleness 1: step s+1 generates while step s trains
-  overlap-priority  N requests finishing in order on a server throttled to one micro-batch
-                    (--max-num-seqs); the older schedule, kept for comparison
+GPUs: no pinning. The server is started on GPU 0 (launch_server's default GPU) with --dtype DTYPE,
+--max-num-seqs = the sequences of K+1 steps (vLLM's default there is 128 at a time) and
+--gpu-memory-utilization 0.5 (--device cuda:1: this process trains on cuda:1 and pushes over NCCL)
+or 0.4 (--device cuda: this process trains on cuda:0 beside the server and pushes over CUDA IPC),
+compiled with CUDA graphs (no --enforce-eager). The trainer keeps fp32 master weights with bf16
+autocast. The model is bigger than on CPU (by default hidden 2048 x 28 layers, 32 heads of 64, 16
+KV heads: ~1.06B parameters, random weights in --dtype) and so is the step (64 prompts x 8 x <=128
+tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=` line
+shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
+Either way `train.train` runs once per schedule on one server, with the same Config except these:
+  sync-batch      the baseline: the whole step as one batch, then train
+  overlap         K = 0: the whole step submitted at once, micro-batches of prompts trained on in
+                  the order their groups finish; exactly on-policy
+  drain K=1       --max-staleness 1: step s+1 generates while step s trains; each push waits for
+                  the requests in flight to finish on the old weights (--update-mode drain)
+  in-flight K=1   the same, but each push pauses the requests in flight and they go on with the
+                  new weights (--update-mode in-flight): generation never waits for a push
+  in-flight K=2   two steps ahead: bigger batches for the engine, tokens up to 2 versions old
 Each run first pushes the checkpoint's weights, so all start from one policy.
 
 The workload: a Qwen2 from `client.tiny_model` that is *not* warm-started, sampling at temperature 1
@@ -35,13 +36,15 @@ long tail at the limit). The reward (last number == a+b) is rarely 1: the gradie
 noisy, which is all a timing benchmark needs.
 
 Per schedule, medians over steps after the first `--warmup` of train.py's metrics.jsonl: G
-(`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`), idle, step, tokens.
-Then `G/T=` of the sync-batch run.
-The last lines are `overlap_speedup=<x> bound=<b> efficiency=<x/b>` (x = sync-batch step time over
-overlap step time; b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from the sync-batch run) and
-`stale_speedup=<x> stale_bound=<(G+T+S) / (max(G,T) + S)>`. Then it draws `--out`/timeline.png:
-three steps each of sync-batch, overlap and overlap K=1 on one time axis (train.draw_timeline), the
-README's figure.
+(`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`, the push), idle (the trainer
+waiting for samples), step, tokens; then over those steps together: the engine's idle seconds per
+step (the steps' span less the union of the spans in which some request of a micro-batch was
+generating: a request paused by an in-flight update counts as generating) and completion tokens per
+second. Then `G/T=` of the sync-batch run. The last lines are `<name>_speedup=<x>` for each
+schedule (sync-batch's step time over its own), `bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N +
+S) from sync-batch: on-policy overlap's best) and `stale_bound=` ((G+T+S) / (max(G,T) + S)). Then
+it draws `--out`/timeline.png: three steps each of sync-batch, overlap, drain K=1 and in-flight
+K=1 on one time axis (train.draw_timeline).
 """
 
 import argparse
@@ -61,7 +64,8 @@ from client import TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noq
 
 
 def medians(history, warmup):
-    """Per-step medians of G, T, S, idle, step, skipping the warm-up steps."""
+    """Per-step medians of G, T, S, idle, step, tokens, skipping the warm-up steps; the engine's
+    idle seconds per step and tokens per second over those steps."""
     rows = history[warmup:]
     keys = {
         "G": "gen_s",
@@ -71,7 +75,16 @@ def medians(history, warmup):
         "step": "step_s",
         "tokens": "tokens",
     }
-    return {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
+    result = {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
+    spans = [span for r in rows for k in ("gen", "train", "sync") for span in r["intervals"][k]]
+    start, end = min(a for a, _ in spans), max(b for _, b in spans)
+    busy, reached = 0.0, start
+    for a, b in sorted(span for r in rows for span in r["intervals"]["gen"]):
+        a, b = max(a, reached), min(b, end)
+        busy, reached = busy + max(0.0, b - a), max(reached, b)
+    result["engine_idle"] = (end - start - busy) / len(rows)
+    result["tokens_per_s"] = sum(r["tokens"] for r in rows) / sum(r["step_s"] for r in rows)
+    return result
 
 
 # the defaults that depend on --device: (CPU, GPU)
@@ -87,9 +100,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--device",
-        choices=["cpu", "cuda:1"],
+        choices=["cpu", "cuda", "cuda:1"],
         default="cpu",
-        help="cpu: server on core 0, trainer on core 1; "
+        help="cpu: server on core 0, trainer on core 1; cuda: both on GPU 0; "
         "cuda:1: server on GPU 0, trainer on GPU 1 (see above)",
     )
     p.add_argument(
@@ -147,9 +160,9 @@ def main():
             setattr(args, name, on_gpu if gpu else on_cpu)
 
     h, layers = args.hidden_size, args.num_layers
-    if gpu:  # the server on GPU 0, the trainer on GPU 1: no pinning
-        if torch.cuda.device_count() < 2:
-            p.error(f"--device cuda:1 needs two GPUs; {torch.cuda.device_count()} visible")
+    if gpu:  # the server on GPU 0, the trainer on GPU 1 (or 0): no pinning
+        if torch.cuda.device_count() < (2 if args.device == "cuda:1" else 1):
+            p.error(f"--device {args.device}: {torch.cuda.device_count()} GPUs visible")
         torch.cuda.set_device(args.device)  # this process's CUDA work on the trainer's GPU
         # heads of 64 (tiny_model's default is 32):
         # a head size every GPU attention backend has kernels for
@@ -162,22 +175,20 @@ def main():
             num_key_value_heads=max(1, h // 128),
             head_dim=64,
         )
-        # vLLM's default admits 128 sequences at a time here;
-        # unthrottled means the whole step at once
+        # vLLM's default admits 128 sequences at a time here; unthrottled means every step
+        # submitted at once (in-flight K=2: three)
+        share = "0.5" if args.device == "cuda:1" else "0.4"
         server_flags = (
-            "--dtype",
-            args.dtype,
-            "--gpu-memory-utilization",
-            "0.5",
-            "--max-num-seqs",
-            str(args.prompts_per_step * args.group_size),
+            *("--dtype", args.dtype, "--gpu-memory-utilization", share),
+            *("--max-num-seqs", str(3 * args.prompts_per_step * args.group_size)),
         )
-        trainer = {
-            "device": args.device,
-            "dtype": args.dtype,
-            "bf16": True,
-            "gpu_memory_utilization": 0.5,
-        }
+        trainer = {"device": args.device, "dtype": args.dtype, "bf16": True}
+        print(
+            f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the server), "
+            f"{args.device} {torch.cuda.get_device_name(args.device)} (the trainer); "
+            f"model: {model}, {parameters(model) / 1e6:.0f}M parameters, {args.dtype}",
+            flush=True,
+        )
     else:
         torch.set_num_threads(1)
         # the server's engine: its OpenMP threads on core 0
@@ -192,97 +203,76 @@ def main():
         # the server's default is float32
         server_flags = () if args.dtype == "float32" else ("--dtype", args.dtype)
         trainer = {"dtype": args.dtype}
-    # overlap-priority: one micro-batch at a time
-    seqs = train.Config(
-        model=model,
-        prompts_per_step=args.prompts_per_step,
-        micro_batches=args.micro_batches,
-        group_size=args.group_size,
-    ).micro_batch_seqs
-    if gpu:
-        print(
-            f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the servers), "
-            f"cuda:1 {torch.cuda.get_device_name(1)} (the trainer); "
-            f"model: {model}, {parameters(model) / 1e6:.0f}M parameters, {args.dtype}",
-            flush=True,
-        )
-    runs = {
-        "sync-batch": ("sync-batch", 0, ()),
-        "overlap": ("overlap", 0, ()),
-        "overlap K=1": ("overlap", 1, ()),
-        "overlap-priority": ("overlap-priority", 0, ("--max-num-seqs", str(seqs))),
-    }
-    os.makedirs(args.out, exist_ok=True)
-    results, histories = {}, {}
-    for flags in sorted({f for _, _, f in runs.values()}):
-        if not gpu:
-            os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
-        proc, client = launch_server(
-            "--model",
-            model,
-            *server_flags,
-            *flags,
-            log_path=os.path.join(args.out, f"server{'-throttled' if flags else ''}.log"),
-        )
-        if not gpu:
-            os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
-        else:
-            print(
-                f"server {' '.join(flags) or '(unthrottled)'}: decodes at most "
-                f"{client.health()['max_num_seqs']} sequences at once",
-                flush=True,
-            )
-        try:
-            for name, (schedule, staleness, needs) in runs.items():
-                if needs != flags:
-                    continue
-                cfg = train.Config(
-                    model=model,
-                    out=os.path.join(args.out, name.replace(" ", "-")),
-                    steps=args.steps,
-                    schedule=schedule,
-                    max_staleness=staleness,
-                    prompts_per_step=args.prompts_per_step,
-                    micro_batches=args.micro_batches,
-                    group_size=args.group_size,
-                    max_tokens=args.max_tokens,
-                    lr=args.lr,
-                    **trainer,
-                )
-                print(
-                    json.dumps(vars(cfg)), f"server flags: {' '.join(flags) or 'none'}", flush=True
-                )
-                histories[name] = train.train(cfg, client)
-                results[name] = medians(histories[name], args.warmup)
-        finally:
-            stop_server(proc)
+    histories = run_schedules(args, model, server_flags, trainer, gpu)
+    report(args, histories)
 
-    N = args.micro_batches
+
+# name: (--schedule, --max-staleness, --update-mode)
+RUNS = {
+    "sync-batch": ("sync-batch", 0, "drain"),
+    "overlap": ("overlap", 0, "drain"),
+    "drain K=1": ("overlap", 1, "drain"),
+    "in-flight K=1": ("overlap", 1, "in-flight"),
+    "in-flight K=2": ("overlap", 2, "in-flight"),
+}
+
+
+def run_schedules(args, model, server_flags, trainer, gpu):
+    """train.train once per schedule, all against one server; their metrics."""
+    os.makedirs(args.out, exist_ok=True)
+    if not gpu:
+        os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
+    proc, client = launch_server(
+        "--model", model, *server_flags, log_path=os.path.join(args.out, "server.log")
+    )
+    if not gpu:
+        os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
+    histories = {}
+    try:
+        for name, (schedule, staleness, update_mode) in RUNS.items():
+            cfg = train.Config(
+                model=model,
+                out=os.path.join(args.out, name.replace(" ", "-")),
+                steps=args.steps,
+                schedule=schedule,
+                max_staleness=staleness,
+                update_mode=update_mode,
+                prompts_per_step=args.prompts_per_step,
+                micro_batches=args.micro_batches,
+                group_size=args.group_size,
+                max_tokens=args.max_tokens,
+                lr=args.lr,
+                **trainer,
+            )
+            print(json.dumps(vars(cfg)), flush=True)
+            histories[name] = train.train(cfg, client)
+    finally:
+        stop_server(proc)
+    return histories
+
+
+def report(args, histories):
+    results, N = (
+        {name: medians(h, args.warmup) for name, h in histories.items()},
+        args.micro_batches,
+    )
     print(
         f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step "
         f"(N={N}, {args.prompts_per_step} prompts x {args.group_size} x <={args.max_tokens} tokens)"
     )
-    print(f"{'schedule':<17} {'G':>6} {'T':>6} {'S':>6} {'idle':>6} {'step':>6} {'tokens':>7}")
-    for name in runs:
-        m = results[name]
-        print(
-            f"{name:<17} "
-            + " ".join(f"{m[k]:6.3f}" for k in ("G", "T", "S", "idle", "step"))
-            + f" {m['tokens']:7.0f}"
-        )
+    columns = ("G", "T", "S", "idle", "step", "tokens", "engine_idle", "tokens_per_s")
+    print(f"{'schedule':<14} " + " ".join(f"{c:>12}" for c in columns))
+    for name, m in results.items():
+        print(f"{name:<14} " + " ".join(f"{m[c]:12.3f}" for c in columns))
     base = results["sync-batch"]
     G, T, S = base["G"], base["T"], base["S"]
     print(f"G/T={G / T:.2f} (sync-batch: G={G:.3f} s, T={T:.3f} s, S={S:.3f} s per step)")
-    x, b = (
-        base["step"] / results["overlap"]["step"],
-        train.overlap_bound(G, T, S, N, max_staleness=0),
-    )
-    print(f"overlap_speedup={x:.3f} bound={b:.3f} efficiency={x / b:.3f}")
     print(
-        f"stale_speedup={base['step'] / results['overlap K=1']['step']:.3f} "
+        f"bound={train.overlap_bound(G, T, S, N, max_staleness=0):.3f} "
         f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}"
     )
-    print(f"overlap_priority_speedup={base['step'] / results['overlap-priority']['step']:.3f}")
+    for name, m in results.items():
+        print(f"{name.replace(' ', '_').replace('=', '')}_speedup={base['step'] / m['step']:.3f}")
     draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
 
 
@@ -296,19 +286,20 @@ def parameters(model):
 
 
 def draw_timelines(histories, results, N, path):
-    """Three steps of sync-batch, overlap and overlap K=1 on one time axis, drawn by train.py's
-    own draw_timeline from the runs' metrics, each titled with its medians and its bound."""
+    """Three steps of sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis, drawn by
+    train.py's own draw_timeline from the runs' metrics, each titled with its medians and its
+    bound."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["sync-batch", "overlap", "overlap K=1"]
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 7), sharex=True)
+    names = ["sync-batch", "overlap", "drain K=1", "in-flight K=1"]
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 9), sharex=True)
     base = results["sync-batch"]
     for ax, name in zip(axes, names):
         train.draw_timeline(ax, histories[name], steps=3)
-        m, K = results[name], 1 if "K=1" in name else 0
+        m, K = results[name], RUNS[name][1]
         if name == "sync-batch":
             bound = ""
         else:

@@ -73,10 +73,11 @@ def measure(side, a):
             "ids": row,
             "mask": [0] * prompt + [1] * (a.tokens - prompt),
             "logprobs": [None] * prompt + [-1.0] * (a.tokens - prompt),
+            "versions": [0] * a.tokens,  # every token sampled by the weights trained: version 0
         }
         for row in ids
     ]
-    advantages, lag = torch.randn(a.seqs), torch.zeros(a.seqs, dtype=torch.long)
+    advantages = torch.randn(a.seqs)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -96,7 +97,7 @@ def measure(side, a):
         model.gradient_checkpointing_enable()
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6) if side == "train.py+adamw" else None
-        train.backward(model, seqs, advantages, lag, cfg, pad_id=0)
+        train.backward(model, seqs, advantages, 0, cfg, pad_id=0)
         if opt:
             opt.step()
     if device.type == "cuda":

@@ -4,12 +4,10 @@
 
 The workload: 4 prompts x 8 samples x up to 32 tokens per step, gradient accumulation 4 (one
 prompt per micro-batch), lr 1e-3, 20 steps, the untrained tiny model (temperature 1, so lengths
-vary), server and trainer sharing both cores. Each schedule runs on the server settings it needs:
-one unthrottled server (vLLM's defaults) for sync-batch, overlap and overlap with
---max-staleness 1 (overlap K=1), and one started with
---max-num-seqs 8 (one micro-batch of sequences at a time) for overlap-priority. Each run first
-pushes the same initial weights. Printed per schedule: the median seconds per step of steps 3-20;
-the last line is `best_step_s=<the fastest schedule's median>`.
+vary), server and trainer sharing both cores. Each schedule runs on a server of its own with
+vLLM's defaults: sync-batch, overlap and overlap with --max-staleness 1 (overlap K=1). Each run
+first pushes the same initial weights. Printed per schedule: the median seconds per step of steps
+3-20; the last line is `best_step_s=<the fastest schedule's median>`.
 
 First, for reference, the floor no schedule can beat: the same engine in this process
 (engine.Engine, no HTTP, no trainer) generating one step's samples (4 prompts x n=8, up to 32
@@ -36,7 +34,6 @@ SCHEDULES = {
     "sync-batch": (0, ()),
     "overlap": (0, ()),
     "overlap K=1": (1, ()),
-    "overlap-priority": (0, ("--max-num-seqs", "8")),
 }
 
 

@@ -20,14 +20,21 @@ CPU (--device cpu), side by side in one run, on a Qwen2 built by client.tiny_mod
                 EXCLUDES the engine's weight-loading cost, so it is a lower bound on a real
                 per-parameter path's time: our speedup over it is conservative. Run before the
                 server.
-  The last line is `sync_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>`.
+  4. fixed cost: the tiny model train.py trains (3 MB, 26 tensors) pushed over gloo into a server
+                of its own, in drain and in-flight mode: what an update costs when bytes hardly
+                count.
+  The last line is `sync_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>
+  fixed_cost_s=<4. in drain mode>`.
 GPU (--device cuda): a Qwen2.5-0.5B-shaped Qwen2 (896 hidden, 24 layers, 14 heads, 2 KV heads,
 4864 intermediate, 151,936 vocabulary, tied; random bf16 weights made here), the trainer's copy on
 the same GPU as the server (which takes --gpu-memory-utilization 0.3):
   1. raw:       one device-to-device copy of the same number of bytes on that GPU; the limit.
   2. ours ipc:  client.update_model_params(model) with the `ipc` transport (the default here).
   3. ours gloo: the same with the `gloo` transport, through CPU buffers on both sides.
-  The last line is `seconds_per_update=<ipc> ipc_vs_raw=<raw / ipc> ipc_vs_gloo=<gloo / ipc>`.
+  4. fixed cost: the tiny model on a server started as train.py --device cuda starts it (compiled,
+                --gpu-memory-utilization 0.3), over ipc and gloo, drain and in-flight.
+  The last line is `seconds_per_update=<ipc> ipc_vs_raw=<raw / ipc> ipc_vs_gloo=<gloo / ipc>
+  fixed_cost_s=<4. ipc drain> fixed_cost_in_flight_s=<4. ipc in-flight>`.
 Two GPUs (--device cuda:1): the same Qwen2.5-0.5B-shaped bf16 model. The server takes GPU 0 (as in
 --device cuda: launch_server's default GPU, --gpu-memory-utilization 0.3, --enforce-eager); this
 process is the trainer, its model copy on cuda:1. Every side sends from cuda:1 and receives on
@@ -46,10 +53,16 @@ first, so both GPUs are free when the server starts:
                 client.update_model_params(model): packed buckets, one NCCL broadcast each, into the
                 server's worker on GPU 0, which then loads them (receive_s, load_s: the worker's
                 split).
+  4. fixed cost: the tiny model on a server started as train.py --device cuda:1 starts it, over
+                nccl from cuda:1, drain and in-flight.
   The first lines name the GPUs and the model; the last is `seconds_per_update=<ours>
-  nccl_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours> transfer_vs_raw=<raw / send_s>`,
-  send_s being the trainer's packing and sending of every bucket in the last update
-  (client.last_update).
+  nccl_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours> transfer_vs_raw=<raw / send_s>
+  fixed_cost_s=<4. drain> fixed_cost_in_flight_s=<4. in-flight>`, send_s being the trainer's
+  packing and sending of every bucket (client.last_update).
+Each of ours and the fixed costs prints where its time went (describe): the trainer's sends; the
+drain (or in-flight pause); the collective_rpc into the workers, of which their receive and load;
+the reset of the paused requests' KV and the version's label; and the rest, HTTP and the
+trainer's packing.
 Each is the median of its rounds, after one warm-up.
 """
 
@@ -78,6 +91,8 @@ from client import (  # noqa: E402
     weight_group,
 )
 
+# how train.py starts its server on a GPU (its --gpu-memory-utilization default), compiled
+DEMO_GPU_FLAGS = ("--gpu-memory-utilization", "0.3")
 QWEN25_05B = dict(
     hidden_size=896,
     num_layers=24,
@@ -120,6 +135,56 @@ def median_seconds(fn, rounds):
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# the parts of an update (client.last_update, and the wall time of update_model_params)
+PARTS = ("total_s", "send_s", "drain_s", "rpc_s", "receive_s", "load_s", "reset_s")
+
+
+def update_parts(client, model, rounds, **options):
+    """The median of each part of client.update_model_params(model, **options) over `rounds`
+    updates, after one warm-up."""
+    runs = []
+    for _ in range(1 + rounds):
+        start = time.perf_counter()
+        client.update_model_params(model, **options)
+        runs.append({"total_s": time.perf_counter() - start, **client.last_update})
+    return {k: statistics.median(r[k] for r in runs[1:]) for k in PARTS}
+
+
+def describe(name, m):
+    """One line: where an update's time went. The trainer sends while the workers receive, inside
+    the collective_rpc; `rest` is HTTP and the trainer's packing."""
+    rest = m["total_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
+    return (
+        f"{name:<30} {m['total_s']:7.4f} s = drain/pause {m['drain_s']:.4f} + collective_rpc "
+        f"{m['rpc_s']:.4f} (meanwhile: the trainer sends {m['send_s']:.4f}, the worker receives "
+        f"{m['receive_s']:.4f} and loads {m['load_s']:.4f}) + reset/label {m['reset_s']:.4f} + "
+        f"HTTP and packing {rest:.4f}"
+    )
+
+
+def fixed_cost(transports, rounds, server_flags=()):
+    """The fixed cost of an update, where bytes hardly count: the tiny model (3 MB, float32)
+    pushed into an idle server on it, started as train.py starts it (with `server_flags`), per
+    transport [(transport, the trainer's device)] and update mode. Returns {(transport, mode):
+    update_parts}."""
+    from transformers import AutoModelForCausalLM
+
+    model, results = AutoModelForCausalLM.from_pretrained(tiny_model()), {}
+    log = os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log")
+    proc, client = launch_server("--model", tiny_model(), *server_flags, log_path=log)
+    try:
+        for transport, device in transports:
+            client.init_communicator(transport=transport, device=device)
+            for mode in ("drain", "in-flight"):
+                m = update_parts(client, model.to(device), rounds, mode=mode)
+                results[transport, mode] = m
+                print(describe(f"fixed cost ({transport}, {mode}):", m), flush=True)
+            client.close_communicator()
+    finally:
+        stop_server(proc)
+    return results
 
 
 # -----------------------------------------------------------------------------
@@ -284,21 +349,25 @@ def cuda_main(a):
     try:
         for transport in ("ipc", "gloo"):
             client.init_communicator(transport=transport)
-            seconds[transport] = median_seconds(lambda: client.update_model_params(model), a.rounds)
-            last = client.last_update
+            m = update_parts(client, model, a.rounds)
+            seconds[transport] = m["total_s"]
             print(
                 f"ours ({transport + '):':<6}    {seconds[transport]:7.4f} s  "
-                f"({nbytes / 2**30 / seconds[transport]:6.1f} GiB/s)  "
-                f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s",
+                f"({nbytes / 2**30 / seconds[transport]:6.1f} GiB/s)",
                 flush=True,
             )
+            print(describe(f"  0.5B shape ({transport}, drain):", m), flush=True)
             client.close_communicator()
     finally:
         stop_server(proc)
+    # the tiny model on a server started as train.py --device cuda starts it: compiled, 0.3 of GPU
+    fixed = fixed_cost([("ipc", "cuda"), ("gloo", "cuda")], 4 * a.rounds, DEMO_GPU_FLAGS)
     ipc = seconds["ipc"]
     print(
         f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} "
-        f"ipc_vs_gloo={seconds['gloo'] / ipc:.1f}"
+        f"ipc_vs_gloo={seconds['gloo'] / ipc:.1f} "
+        f"fixed_cost_s={fixed['ipc', 'drain']['total_s']:.4f} "
+        f"fixed_cost_in_flight_s={fixed['ipc', 'in-flight']['total_s']:.4f}"
     )
 
 
@@ -359,21 +428,24 @@ def two_gpu_main(a):
     try:
         client.init_communicator(transport="nccl", device="cuda:1")
         bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
-        ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
-        last = client.last_update  # where the worker spent the last update
+        m = update_parts(client, model, a.rounds, **bucket)
+        ours = m["total_s"]
         print(
             f"ours (nccl, packed):                 {ours:7.4f} s  "
-            f"({nbytes / 2**30 / ours:6.1f} GiB/s)  "
-            f"the trainer's sends {last['send_s']:.4f} s; "
-            f"in the worker: receive {last['receive_s']:.4f} s, load {last['load_s']:.4f} s",
+            f"({nbytes / 2**30 / ours:6.1f} GiB/s)",
             flush=True,
         )
+        print(describe("  0.5B shape (nccl, drain):", m), flush=True)
         client.close_communicator()
     finally:
         stop_server(proc)
+    # the tiny model on a server started as train.py --device cuda:1 starts it
+    fixed = fixed_cost([("nccl", "cuda:1")], 4 * a.rounds, DEMO_GPU_FLAGS)
     print(
         f"seconds_per_update={ours:.4f} nccl_vs_raw={raw / ours:.3f} "
-        f"packed_vs_per_param={per_param / ours:.1f} transfer_vs_raw={raw / last['send_s']:.3f}"
+        f"packed_vs_per_param={per_param / ours:.1f} transfer_vs_raw={raw / m['send_s']:.3f} "
+        f"fixed_cost_s={fixed['nccl', 'drain']['total_s']:.4f} "
+        f"fixed_cost_in_flight_s={fixed['nccl', 'in-flight']['total_s']:.4f}"
     )
 
 
@@ -443,17 +515,18 @@ def main():
     try:
         client.init_communicator()
         bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
-        ours = median_seconds(lambda: client.update_model_params(model, **bucket), a.rounds)
+        m = update_parts(client, model, a.rounds, **bucket)
+        ours = m["total_s"]
         print(f"ours (packed):     {ours:7.3f} s  ({nbytes / 2**20 / ours:6.0f} MiB/s)", flush=True)
-        last = client.last_update  # where the worker spent the last update
-        print(
-            f"  in the worker: receive {last['receive_s']:.3f} s, "
-            f"load (reload_weights + re-pack) {last['load_s']:.3f} s"
-        )
+        print(describe("  where it went:", m), flush=True)
         client.close_communicator()
     finally:
         stop_server(proc)
-    print(f"sync_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f}")
+    fixed = fixed_cost([("gloo", "cpu")], 2 * a.rounds)[("gloo", "drain")]["total_s"]
+    print(
+        f"sync_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f} "
+        f"fixed_cost_s={fixed:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -548,6 +548,28 @@ def test_an_update_that_cannot_drain_is_refused_before_anything_is_sent(strict, 
     client.close_communicator()
 
 
+def test_a_full_table_refuses_new_work_but_never_an_update(strict, model_path):
+    _, client, _ = strict
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    client.init_communicator(transport="gloo")
+    v0 = client.health()["version"]
+    # --max-pending 4: the table is full of results waiting to be fetched (for --result-ttl 2 s)
+    held = [client.generate([f"unfetched {i}"], max_tokens=2, is_async=True) for i in range(4)]
+    deadline = time.monotonic() + 30
+    while client.health()["in_flight"]:  # done, not fetched: nothing to drain
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.update_model_params(model) == v0 + 1
+    with pytest.raises(ServerError) as full:
+        client.generate(["one more"], max_tokens=2, is_async=True)
+    assert full.value.status == 429 and client.health()["version"] == v0 + 1
+    for f in held:
+        f.abort()
+    client.close_communicator()
+
+
 def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
     proc, client, log = strict
     # vLLM's engine core (and its workers)

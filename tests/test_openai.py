@@ -129,7 +129,7 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
             model,
             [seq],
             torch.tensor([1.0]),
-            torch.zeros(1, dtype=torch.long),
+            max(seq["versions"]),  # the trainer's version: no token is stale
             train.Config(model="m"),
             pad_id=1,
         ),

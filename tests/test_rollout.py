@@ -131,9 +131,10 @@ def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model
 
     def backward():
         logprobs = train.token_logprobs(model, batch)
-        train.pg_loss(
-            logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], torch.tensor([False])
-        )[0].backward()
+        on_policy = torch.zeros_like(logprobs, dtype=torch.bool)
+        train.pg_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), batch["mask"], on_policy)[
+            0
+        ].backward()
 
     grad = position_gradients(model, backward)
     target_mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # position t predicts token t+1

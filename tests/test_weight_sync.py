@@ -15,8 +15,9 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Client, ServerError
-from conftest import needs_cuda
+import train
+from client import Client, ServerError, launch_server, pack, stop_server
+from conftest import GPU_FLAGS, needs_cuda
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
@@ -102,8 +103,50 @@ def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(
     late = Client(trainer.base_url).generate(["during update"], n=4, max_tokens=8, is_async=True)
     pusher.join(120)
     assert update["version"] == v0 + 1
-    assert {c.version for c in early.result()[0]} == {v0}
-    assert {c.version for c in late.result()[0]} == {v0 + 1}
+    # drain: no completion mixes two versions
+    assert [c.versions for c in early.result()[0]] == [[[v0, 0]]] * 4
+    assert [c.versions for c in late.result()[0]] == [[[v0 + 1, 0]]] * 4
+
+
+def hf_continue(model, ids, n):
+    """transformers' greedy continuation of token ids `ids` by `n` tokens, end-of-text included
+    (as the server's with ignore_eos)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_a_request_spanning_an_in_flight_update_goes_on_with_the_new_weights(trainer, hf):
+    model, tokenizer = hf
+    new, v0 = perturbed(model, seed=7), trainer.health()["version"]
+    prompt = tokenizer("spanning").input_ids
+    trainer.generate([prompt], max_tokens=64, ignore_eos=True)  # a fresh engine's decoding is slow
+    spanning = trainer.generate(
+        [prompt], temperature=0.0, max_tokens=1900, ignore_eos=True, is_async=True
+    )
+    wait_for_in_flight(trainer)
+    try:
+        assert trainer.update_model_params(new, mode="in-flight") == v0 + 1
+        [[c]] = spanning.result()
+    finally:
+        trainer.update_model_params(model)
+    [[old, zero], [now, paused]] = c.versions
+    assert (old, zero, now) == (v0, 0, v0 + 1) and 16 < paused < len(c.token_ids) - 32
+    # greedy up to the pause point on the old weights, and from it on the new ones
+    before = prompt + c.token_ids[: paused - 16]
+    assert c.token_ids[paused - 16 : paused] == hf_continue(model, before, 16)
+    assert c.token_ids[paused : paused + 32] == hf_continue(new, prompt + c.token_ids[:paused], 32)
+
+
+def wait_for_in_flight(client, seconds=1.0):
+    """Return `seconds` after a request started generating (at ~2 ms per token here)."""
+    deadline = time.monotonic() + 30
+    while not client.health()["in_flight"]:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    time.sleep(seconds)
 
 
 def post(client, path, body):
@@ -156,8 +199,10 @@ from client import Client, broadcast, pack
 c = Client({url!r})
 c.init_communicator({transport!r}, device={device!r}, weight_sync_timeout=30)
 buckets = pack(c._named_tensors(torch.load({weights!r})), 64 << 10)  # many small buckets
-# phase 1: the server receives
-c._request("POST", "/update_weights", {{"buckets": [b for b, _ in buckets]}})
+# the server answers a first line once its workers receive
+body = {{"buckets": [b for b, _ in buckets], "mode": {mode!r}}}
+answer = c._request("POST", "/update_weights", body, stream=True)
+next(answer.iter_lines())
 # one of many, then die
 broadcast(c.group, torch.zeros(buckets[0][0]["size"], dtype=torch.uint8, device=c.device), 30)
 print("sent one bucket", flush=True)
@@ -179,17 +224,26 @@ os._exit(1)
         ),
     ],
 )
+@pytest.mark.parametrize("mode", ["drain", "in-flight"])
 def test_trainer_dying_mid_update_leaves_server_serving_old_weights(
-    server, hf, tmp_path, transport, device
+    server, hf, tmp_path, transport, device, mode
 ):
     model, _ = hf
     before = server_greedy(server)
     v0 = server.health()["version"]
+    # a request in flight: drained first, or paused through the failed update and then resumed
+    long = dict(temperature=0.0, max_tokens=1900, ignore_eos=True)
+    early = server.generate(["in flight"], is_async=True, **long)
     weights = tmp_path / "weights.pt"
     torch.save(perturbed(model, seed=2).state_dict(), weights)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = DYING_TRAINER.format(
-        root=root, url=server.base_url, weights=str(weights), transport=transport, device=device
+        root=root,
+        url=server.base_url,
+        weights=str(weights),
+        transport=transport,
+        device=device,
+        mode=mode,
     )
     dying = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
@@ -199,6 +253,9 @@ def test_trainer_dying_mid_update_leaves_server_serving_old_weights(
     assert server_greedy(server) == (before[0], {v0})  # waits at the gate until the update failed
     assert time.monotonic() - start < 60 + 15  # the server's --weight-sync-timeout plus a margin
     assert server.health()["version"] == v0
+    [[c]] = early.result()  # on the old weights from its first token to its last
+    assert c.versions == [[v0, 0]]
+    assert c.token_ids == server.generate(["in flight"], **long)[0][0].token_ids
 
     server.init_communicator()  # a new trainer can join and update
     try:
@@ -237,6 +294,87 @@ def test_close_then_init_again(server, hf):
     full = [{"size": offset, "params": params}]
     r = post(server, "/update_weights", {"buckets": full})
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
+
+
+def test_an_update_whose_caller_goes_away_after_sending_still_lands(server, hf):
+    model, tokenizer = hf
+    new = perturbed(model, seed=5)
+    server.init_communicator(transport="gloo")
+    v0 = server.health()["version"]
+    buckets = pack(server._named_tensors(new), 32 << 20)
+    body = {"buckets": [b for b, _ in buckets]}
+    answer = server._request("POST", "/update_weights", body, stream=True)
+    next(answer.iter_lines())  # the workers receive
+    server._send_buckets(buckets)
+    answer.close()  # gone before the new version is answered
+    deadline = time.monotonic() + 60
+    while server.health()["version"] != v0 + 1:
+        assert time.monotonic() < deadline, "the update was cancelled with its caller"
+        time.sleep(0.05)
+    try:
+        assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
+    finally:
+        server.init_communicator(transport="gloo")
+        server.update_model_params(model)
+        server.close_communicator()
+
+
+def failing_server(load, tmp_path, monkeypatch):
+    """A server whose workers' `load`-th weight load fails after half its tensors. A test-only hook
+    (engine.WeightSyncWorker.receive_weights): what makes a real load fail part-way (a CUDA error,
+    a model family loaded wrongly) cannot be produced at will here."""
+    monkeypatch.setenv("ASYNC_GRPO_FAIL_LOAD", str(load))
+    return launch_server(*GPU_FLAGS, log_path=tmp_path / "server.log")
+
+
+@pytest.mark.parametrize("mode", ["drain", "in-flight"])
+def test_a_load_that_fails_part_way_stops_the_server_non_zero(hf, tmp_path, monkeypatch, mode):
+    proc, client = failing_server(1, tmp_path, monkeypatch)
+    try:
+        client.init_communicator(transport="gloo")
+        # in-flight: paused by the update, never resumed on the mixed weights
+        paused = client.generate(["x"], max_tokens=1900, ignore_eos=True, is_async=True)
+        if mode == "in-flight":
+            wait_for_in_flight(client, seconds=0)
+        else:
+            paused.result()
+        with pytest.raises(ServerError) as failed:
+            client.update_model_params(perturbed(hf[0], seed=6), mode=mode)
+        assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
+        # nothing is served on the mixed weights, and the server exits for a supervisor to restart
+        with pytest.raises((ServerError, ConnectionError)):
+            client.generate(["mixed?"], max_tokens=2)
+        with pytest.raises((ServerError, ConnectionError)):
+            paused.result()
+        assert proc.wait(60) != 0
+        assert "engine failed" in (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+def test_a_trainer_whose_push_fails_to_load_stops_without_reconnecting(
+    model_path, tmp_path, monkeypatch
+):
+    # the trainer's first push loads; its second, after step 0, fails
+    proc, client = failing_server(2, tmp_path, monkeypatch)
+    cfg = train.Config(
+        model=model_path,
+        steps=3,
+        prompts_per_step=4,
+        micro_batches=2,
+        group_size=2,
+        out=str(tmp_path),
+        reconnect_timeout=600,
+    )
+    try:
+        # a reconnecting trainer would wait --reconnect-timeout for a server that exits
+        with pytest.raises(ServerError) as failed:
+            train.train(cfg, client)
+        assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
 
 
 NO_VLLM_TRAINER = """
