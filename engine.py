@@ -130,7 +130,7 @@ class Engine:
         return outputs[-1]
 
     async def update_weights(
-        self, buckets, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, ready=None
+        self, buckets, ready, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0
     ):
         """Load new weights in the workers (WeightSyncWorker.receive_weights) and bump the version;
         returns it and the workers' timings. `ready` (a future) is resolved once the workers are

@@ -588,7 +588,7 @@ async def run_update(app, buckets, mode, ready):
     engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
     try:
         version, timings = await engine.update_weights(
-            buckets, mode, opts.weight_sync_timeout, opts.drain_timeout, ready
+            buckets, ready, mode, opts.weight_sync_timeout, opts.drain_timeout
         )
     except Exception as e:
         if engine.error:
