@@ -1041,11 +1041,8 @@ ROUTES = [
 ]
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="async-grpo rollout server: vLLM behind an async HTTP API."
-    )
-    g = p.add_argument_group("engine (named as in vllm serve)")
+def add_engine_flags(g):
+    """The engine's flags, named as in `vllm serve`."""
     g.add_argument(
         "--model",
         default=None,
@@ -1088,7 +1085,9 @@ def parse_args(argv=None):
         action=argparse.BooleanOptionalAction,
         help="skip compilation (default: on CPU only)",
     )
-    g = p.add_argument_group("HTTP")
+
+
+def add_http_flags(g):
     g.add_argument(
         "--host",
         default="127.0.0.1",
@@ -1100,6 +1099,10 @@ def parse_args(argv=None):
         default=os.environ.get("VLLM_API_KEY"),
         help="required by all but /health, /metrics ($VLLM_API_KEY)",
     )
+
+
+def add_limit_flags(g):
+    """Bounds on what callers may ask for and leave behind; beyond them a 400 or 429."""
     g.add_argument(
         "--max-n",
         type=int,
@@ -1137,7 +1140,9 @@ def parse_args(argv=None):
     g.add_argument(
         "--max-session-age", type=float, default=3600.0, help="seconds a session may last"
     )
-    g = p.add_argument_group("weight sync")
+
+
+def add_sync_flags(g):
     g.add_argument(
         "--group-port",
         type=int,
@@ -1158,7 +1163,9 @@ def parse_args(argv=None):
         help="seconds an update waits for requests in flight to "
         "finish; then it is refused (503) before anything is sent",
     )
-    g = p.add_argument_group("tools")
+
+
+def add_tool_flags(g):
     g.add_argument(
         "--mcp-server",
         action="append",
@@ -1173,6 +1180,17 @@ def parse_args(argv=None):
         default=10.0,
         help="seconds a tool call may take before it answers with an error",
     )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="async-grpo rollout server: vLLM behind an async HTTP API."
+    )
+    add_engine_flags(p.add_argument_group("engine (named as in vllm serve)"))
+    add_http_flags(p.add_argument_group("HTTP"))
+    add_limit_flags(p.add_argument_group("limits"))
+    add_sync_flags(p.add_argument_group("weight sync"))
+    add_tool_flags(p.add_argument_group("tools"))
     a = p.parse_args(argv)
     if tokenizer_missing(a.model):
         p.error(tokenizer_missing(a.model))
