@@ -12,13 +12,14 @@ colocated trainer ranks + two servers against one GPU doing both, for GRPO steps
    schedule does. On GPUs server k runs on GPU k (CUDA_VISIBLE_DEVICES) with
    --gpu-memory-utilization 0.9. Median of --rounds after one warm-up; tokens/s per side.
 2. Training (`training_speedup`): train.py for --steps sync-batch steps (the same step on both
-   sides: --prompts-per-step x --group-size completions of <= --max-tokens tokens):
+   sides: --prompts-per-step x --group-size completions of <= --train-max-tokens tokens):
      one:  `python train.py --num-servers 1`: the server and the trainer on GPU 0 (weights over ipc)
      two:  `torchrun --nproc-per-node 2 train.py --num-servers 2`: rank r and server r on GPU r;
            FSDP2 over the ranks, each training on half of every micro-batch; rank 0 pushes to
            server 0 over ipc and to server 1 over NCCL; requests spread by the Router.
-   On the CPU both are the same with gloo. Steps/s from the median step_s of train.py's
-   metrics.jsonl after --warmup steps.
+   On the CPU both are the same with gloo. Both sides run with OMP_NUM_THREADS=1, as torchrun
+   sets for its ranks. Steps/s from the median step_s of train.py's metrics.jsonl after --warmup
+   steps; the median gen_s, train_s and sync_s beside it (sync_s: one server's push against two).
 The model: GPU, Qwen2.5-0.5B's shape (896 hidden, 24 layers, 14 heads, 2 KV heads, 4864
 intermediate, 151,936 vocabulary, tied), random weights, served in bfloat16 and trained in float32
 with bf16 autocast; CPU, client.tiny_model. The random model's rewards are ~0: real gradients'
@@ -40,6 +41,7 @@ sys.path.insert(0, ROOT)
 
 from client import Router, launch_server, stop_server, tiny_model  # noqa: E402
 
+THREADS = {"OMP_NUM_THREADS": "1"}
 QWEN25_05B = dict(
     hidden_size=896,
     num_layers=24,
@@ -126,7 +128,8 @@ def training(a, model, dtype, ranks):
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
     command = [*launcher, os.path.join(ROOT, "train.py"), *flags]
     print(f"training, {ranks} rank(s) + {ranks} server(s): {' '.join(command)}", flush=True)
-    run = subprocess.run(command, capture_output=True, text=True)
+    # one thread per process on both sides, as torchrun sets for its ranks (and their servers)
+    run = subprocess.run(command, capture_output=True, text=True, env=os.environ | THREADS)
     if run.returncode:
         sys.exit(f"train.py failed:\n{run.stderr[-4000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
