@@ -304,6 +304,20 @@ def per_param_seconds(
             receiver.join()
 
 
+def launch_gpu_server(path):
+    """The server both GPU benchmarks push into: bf16, 0.3 of GPU 0, eager."""
+    return launch_server(
+        "--model",
+        path,
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--enforce-eager",
+        log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"),
+    )
+
+
 def cuda_main(a):
     from transformers import AutoModelForCausalLM
 
@@ -335,16 +349,7 @@ def cuda_main(a):
     src = dst = None  # free both before the server starts (not `del`: copy() closes over them)
     print(f"raw copy on GPU:   {raw:7.4f} s  ({nbytes / 2**30 / raw:6.0f} GiB/s)", flush=True)
 
-    proc, client = launch_server(
-        "--model",
-        path,
-        "--dtype",
-        "bfloat16",
-        "--gpu-memory-utilization",
-        "0.3",
-        "--enforce-eager",
-        log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"),
-    )
+    proc, client = launch_gpu_server(path)
     seconds = {}
     try:
         for transport in ("ipc", "gloo"):
@@ -415,16 +420,7 @@ def two_gpu_main(a):
         flush=True,
     )
 
-    proc, client = launch_server(
-        "--model",
-        path,
-        "--dtype",
-        "bfloat16",
-        "--gpu-memory-utilization",
-        "0.3",
-        "--enforce-eager",
-        log_path=os.path.join(tempfile.mkdtemp(prefix="bench-sync-"), "server.log"),
-    )
+    proc, client = launch_gpu_server(path)
     try:
         client.init_communicator(transport="nccl", device="cuda:1")
         bucket = {} if a.bucket_mb is None else {"bucket_mb": a.bucket_mb}
