@@ -1243,4 +1243,9 @@ def full_weights(model):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:
+        # under torchrun: leave the group, or gloo's threads abort the process as it exits
+        if dist.is_initialized():
+            dist.destroy_process_group()
