@@ -1,7 +1,7 @@
 """GRPO with asynchronous rollouts: train on micro-batch i while the server generates i+1..N.
 
-    python train.py                      # demo: the tiny model learns addition (a few minutes on 2
-    CPU cores) python train.py --schedule sync-batch    # the synchronous loop, for comparison
+    python train.py                      # demo: the tiny model learns addition (minutes on a CPU)
+    python train.py --schedule sync-batch    # the synchronous loop, for comparison
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
         --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
     python train.py --dataset my.jsonl --reward my_rewards:boxed --save-every 20 --out runs/mine
@@ -58,144 +58,111 @@ from client import (
 )
 
 
-def flag(default, help, choices=None):
-    """A Config field, exposed by parse_config as a --flag with this help."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def flag(default, help, choices=None, at_least=None):
+    """A Config field, exposed by parse_config as a --flag with this help, at least `at_least`."""
+    return field(default=default, metadata={"help": help, "choices": choices, "at_least": at_least})
 
 
 @dataclass
 class Config:
+    """The flags (`python train.py --help` prints this too). More on some of them:
+
+    --task calculator: multi-turn episodes that may call the 'calc' tool, trained with their loss
+      mask (1 on the tokens the model sampled, 0 on the tools' answers).
+    --dtype: the trainer keeps float32 weights; a server train.py starts serves --dtype (default
+      float32); with --server-url the server's own --dtype decides, and another one is an error.
+    --device: cpu sends the weights over gloo; cuda over CUDA IPC when the server is on the same
+      GPU, else over NCCL.
+    --train-micro-batch, --bf16, --gradient-checkpointing: memory. None of them changes the
+      gradient, only how it is computed.
+    --schedule, when the trainer gets which samples. overlap: submit the whole step, and train on
+      micro-batches of prompts in the order their groups finish; sync-batch: generate the whole
+      step as one batch, then train.
+    --max-staleness K. 0: every sample comes from the weights it is trained on (exactly
+      on-policy); K >= 1: steps s+1..s+K generate on older weights while step s trains, up to K
+      versions behind, corrected by truncated importance sampling (capped at --is-cap).
+    --update-mode. drain: a push lets the requests in flight finish on the old weights (no sample
+      mixes versions); in-flight: it pauses them, and they go on with the new weights (with K = 0
+      nothing is in flight at a push).
+    --mismatch-warning: warn at the first step if the mean |trainer - server| logprob of the
+      sampled tokens exceeds this (the tiny model: ~1e-6 in float32, 0.01 with a bfloat16 server).
+    --eval-*: held-out prompts, taken from the data and never trained on, scored with the task's
+      reward: pass@k for k = 1, 2, 4, ... <= --eval-n."""
+
     # model, data, and where things run
     model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
     warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
-    dataset: str = flag(
-        "", 'jsonl, a row per line: {"prompt", "answer", "task" (optional), what --reward reads}'
-    )
+    dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
-    success_threshold: float = flag(
-        1.0, "a sample whose reward is at least this is a success (accuracy, pass@k)"
-    )
-    task: str = flag(
-        "addition",
-        "addition: one completion per sample; calculator: multi-turn episodes that may call the "
-        "'calc' tool (trained with their loss mask)",
-        ["addition", "calculator"],
-    )
-    max_turns: int = flag(3, "calculator task: model turns per episode")
-    # the trainer keeps float32; a server at --server-url serves its own --dtype, and another
-    # one given here is an error
+    success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
+    task: str = flag("addition", "the built-in data and reward", ["addition", "calculator"])
+    max_turns: int = flag(3, "calculator task: model turns per episode", at_least=1)
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
     server_url: str = flag("", "running servers: URL or URL,URL,... (default: --num-servers)")
     num_servers: int = flag(1, "servers to start on the model (GPUs: server k on GPU k)")
-    server_args: str = flag(
-        "", "flags for the server train.py starts, e.g. '--max-model-len 512 --max-num-seqs 64'"
-    )
-    reconnect_timeout: float = flag(
-        300.0, "seconds to wait for a server that restarted or went away before giving up"
-    )
-    device: str = flag(
-        "cpu",
-        "trainer device: cpu (weights over gloo), cuda (CUDA IPC on the server's GPU, else NCCL)",
-    )
-    trainer_host: str = flag(
-        "127.0.0.1", "this machine's address as the server's workers reach it (NCCL/gloo)"
-    )
-    gpu_memory_utilization: float = flag(
-        0.3, "the GPU share of the server train.py starts; the trainer uses the rest"
-    )
+    server_args: str = flag("", "flags for the server train.py starts: '--max-model-len 512 ...'")
+    reconnect_timeout: float = flag(300.0, "seconds to wait for a server that restarted or left")
+    device: str = flag("cpu", "trainer device: cpu or cuda[:k] (weights over gloo, IPC or NCCL)")
+    trainer_host: str = flag("127.0.0.1", "this machine's address as the servers' workers reach it")
+    gpu_memory_utilization: float = flag(0.3, "the GPU share of the server train.py starts")
     out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
-    save_every: int = flag(0, "save the checkpoint every K steps (0: at the end only)")
-    resume: str = flag(
-        "",
-        "continue the run in this --out from its checkpoint: steps numbered on, metrics appended",
-    )
+    save_every: int = flag(0, "save the checkpoint every K steps (0: at the end only)", at_least=0)
+    resume: str = flag("", "continue the run in this --out from its checkpoint")
     seed_requests: bool = flag(False, "seed each step's requests from its prompts (exact resumes)")
     seed: int = flag(0, "seed for data, sampling and init")
     # GRPO
-    steps: int = flag(120, "optimizer steps")
+    steps: int = flag(120, "optimizer steps", at_least=1)
     prompts_per_step: int = flag(32, "prompts per optimizer step")
-    micro_batches: int = flag(4, "N: gradient-accumulation micro-batches per step")
-    group_size: int = flag(8, "G: completions per prompt (the server's n; TRL's num_generations)")
-    max_tokens: int = flag(4, "completion length limit")
+    micro_batches: int = flag(4, "N: gradient-accumulation micro-batches per step", at_least=1)
+    group_size: int = flag(8, "G: completions per prompt (TRL's num_generations)", at_least=2)
+    max_tokens: int = flag(4, "completion length limit", at_least=1)
     temperature: float = flag(1.0, "sampling temperature")
     lr: float = flag(1e-3, "AdamW learning rate")
     max_grad_norm: float = flag(1.0, "gradient clipping")
-    # memory: none of these changes the gradient, only how it is computed
-    train_micro_batch: int = flag(
-        0, "sequences per forward/backward (0: a whole micro-batch of --micro-batches)"
-    )
+    # memory
+    train_micro_batch: int = flag(0, "sequences per forward/backward (0: all)", at_least=0)
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
-    # the schedule: when the trainer gets which samples
-    schedule: str = flag(
-        "overlap",
-        "overlap: submit the whole step, train on micro-batches of prompts in the order their "
-        "groups finish; sync-batch: generate the whole step as one batch, then train",
-        ["overlap", "sync-batch"],
-    )
-    max_staleness: int = flag(
-        0,
-        "K. 0: every sample comes from the weights it is trained on (exactly on-policy); K >= 1: "
-        "steps s+1..s+K generate on older weights while step s trains, K versions behind, "
-        "corrected by truncated importance sampling",
-    )
-    update_mode: str = flag(
-        "drain",
-        "drain: a push lets the requests in flight finish on the old weights (no sample mixes "
-        "versions); in-flight: it pauses them, and they go on with the new weights (with K = 0 "
-        "nothing is in flight at a push)",
-        ["drain", "in-flight"],
-    )
+    # the schedule
+    schedule: str = flag("overlap", "when the trainer gets samples", ["overlap", "sync-batch"])
+    max_staleness: int = flag(0, "K: steps generated ahead, on weights K versions old", at_least=0)
+    update_mode: str = flag("drain", "a push and the requests in flight", ["drain", "in-flight"])
     is_cap: float = flag(2.0, "cap of the importance weights of stale tokens (TIS)")
-    mismatch_warning: float = flag(
-        0.05,
-        "warn at the first step if the mean |trainer - server| logprob of the sampled tokens "
-        "exceeds this (the tiny model: ~1e-6 in float32, 0.01 with a bfloat16 server)",
-    )
-    # evaluation: held-out prompts (never trained on), scored with the task's reward, pass@k
+    mismatch_warning: float = flag(0.05, "mean trainer-server logprob difference that warns")
+    # evaluation
     eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
-    eval_every: int = flag(0, "evaluate every K steps while training, and at the end (0: never)")
-    eval_prompts: int = flag(8, "held-out prompts, taken from the data and never trained on")
-    eval_n: int = flag(8, "samples per held-out prompt: pass@k for k = 1, 2, 4, ... <= n")
+    eval_every: int = flag(0, "evaluate every K steps and at the end (0: never)", at_least=0)
+    eval_prompts: int = flag(8, "held-out prompts, never trained on", at_least=1)
+    eval_n: int = flag(8, "samples per held-out prompt: pass@k, k = 1, 2, 4, ... <= n", at_least=1)
 
     def __post_init__(self):
-        for name in ("steps", "micro_batches", "max_tokens", "max_turns", "eval_prompts", "eval_n"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("train_micro_batch", "eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        missing_tokenizer = tokenizer_missing(self.model)
-        ranks = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
-        for wrong, why in [
-            (
-                self.prompts_per_step % self.micro_batches,
-                "prompts_per_step must be divisible by micro_batches",
-            ),
-            (self.max_staleness < 0, "max_staleness must be >= 0"),
-            (
-                self.prompts_per_step // self.micro_batches % ranks or (self.resume and ranks > 1),
+        for f in fields(self):
+            least = f.metadata["at_least"]
+            if least is not None and getattr(self, f.name) < least:
+                raise ValueError(f"{f.name} must be >= {least}")
+        if self.prompts_per_step % self.micro_batches:
+            raise ValueError("prompts_per_step must be divisible by micro_batches")
+        # torchrun's
+        ranks = int(os.environ.get("WORLD_SIZE", 1))
+        if self.prompts_per_step // self.micro_batches % ranks or (self.resume and ranks > 1):
+            raise ValueError(
                 "under torchrun each micro-batch's prompts must divide among the ranks, and "
-                "--resume runs in one process only (the optimizer's state is sharded)",
-            ),
-            (self.group_size < 2, "GRPO needs at least 2 completions per prompt (group_size >= 2)"),
-            (self.dataset and not os.path.exists(self.dataset), f"no dataset file {self.dataset}"),
-            # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
-            (
-                not os.path.isdir(self.model)
-                and (os.path.isabs(self.model) or os.path.isdir(os.path.dirname(self.model))),
-                f"no model folder {self.model}",
-            ),
-            (not 0 < self.success_threshold <= 1, "success_threshold must be in (0, 1]"),
-            (
-                self.resume and not os.path.exists(state_path(self.resume)),
-                f"--resume {self.resume}: no {state_path(self.resume)}",
-            ),
-            (missing_tokenizer, missing_tokenizer),
-            (self.server_url and self.server_args, "--server-args is for a server train.py starts"),
-        ]:
-            if wrong:
-                raise ValueError(why)
+                "--resume runs in one process only (the optimizer's state is sharded)"
+            )
+        if self.dataset and not os.path.exists(self.dataset):
+            raise ValueError(f"no dataset file {self.dataset}")
+        # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
+        path = os.path.isabs(self.model) or os.path.isdir(os.path.dirname(self.model))
+        if path and not os.path.isdir(self.model):
+            raise ValueError(f"no model folder {self.model}")
+        if not 0 < self.success_threshold <= 1:
+            raise ValueError("success_threshold must be in (0, 1]")
+        if self.resume and not os.path.exists(state_path(self.resume)):
+            raise ValueError(f"--resume {self.resume}: no {state_path(self.resume)}")
+        if tokenizer_missing(self.model):
+            raise ValueError(tokenizer_missing(self.model))
+        if self.server_url and self.server_args:
+            raise ValueError("--server-args is for a server train.py starts")
         reward_function(self)
         if self.resume:
             self.out = self.resume
@@ -203,22 +170,20 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    p = argparse.ArgumentParser(
-        description="GRPO with asynchronous rollouts (see the module docstring)."
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=Config.__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     for f in fields(Config):
-        kind = (
-            {"action": argparse.BooleanOptionalAction}
-            if f.type is bool
-            else {"type": type(f.default), "choices": f.metadata["choices"]}
-        )
-        p.add_argument(
-            "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind
-        )
+        if f.type is bool:
+            options = {"action": argparse.BooleanOptionalAction}
+        else:
+            options = {"type": type(f.default), "choices": f.metadata["choices"]}
+        flag_name = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag_name, default=f.default, help=f.metadata["help"], **options)
     try:
-        return Config(**vars(p.parse_args(argv)))
+        return Config(**vars(parser.parse_args(argv)))
     except ValueError as e:
-        p.error(str(e))
+        parser.error(str(e))
 
 
 # -- data and reward -------------------------------------------------------------------------------
