@@ -483,7 +483,7 @@ def per_token(spans, offset, length):
     return [v for (v, _), a, b in zip(spans, starts, starts[1:]) for _ in range(a, b)]
 
 
-# -- the schedules: submit() sends a step's prompts, collect() hands them to the trainer -----------
+# -- the schedules: submit_rollouts() sends a step's prompts, collect() hands them over ------------
 def requester(client, cfg):
     """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
     if cfg.task == "calculator":
@@ -496,7 +496,7 @@ def requester(client, cfg):
     return client.generate
 
 
-def submit(client, rows, cfg, min_version=0):
+def submit_rollouts(client, rows, cfg, min_version=0):
     """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
     `min_version` the server holds them until those weights are loaded (no round trip needed)."""
     request = requester(client, cfg)
@@ -664,45 +664,230 @@ def draw_timeline(ax, history, steps=4):
 
 
 # -- the loop --------------------------------------------------------------------------------------
-def accumulate_step(client, model, tok, rows, submitted, cfg, version, staleness):
-    """Collect one step's samples (with the chosen schedule) and accumulate the policy gradient of
-    each micro-batch as it lands. The step was submitted `staleness` pushes ago: with drain
-    updates every token must be that many versions behind our weights, in flight at most that
-    many; a run that departs from its schedule's promise stops. Returns the step's rewards,
-    tokens, per-token staleness, importance weights and trainer-minus-server logprobs, and the
-    intervals (time.time()) of generation on the server and training here."""
+def train(cfg: Config, client: Client, data=None):
+    """Run GRPO; `data`: load_data's (training rows, held-out rows), loaded here if not given."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    data, held_out = data or load_data(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
+    start, queued_rows, history = start_run(cfg, opt, rng, data)
+    # the server samples from exactly our weights
+    rollouts = Rollouts(client, cfg, full_weights(model), queued_rows)
+    os.makedirs(cfg.out, exist_ok=True)
+    t_run = time.time()
+    # `with client`: if anything below raises, the requests still generating are aborted
+    with (
+        client,
+        open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log,
+        tqdm(range(start, cfg.steps), desc="GRPO") as bar,
+    ):
+        # a resumed run's metrics so far: the steps before its checkpoint
+        log.writelines(json.dumps(row) + "\n" for row in history)
+        for step in bar:
+            t_step = time.time()
+            evaluation = None
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                # on the weights this step samples; a step that loses the server goes without
+                evaluation = rollouts.unless_lost(evaluate, client, held_out, cfg)
+            # K = --max-staleness steps ahead: s+1..s+K generate on these weights while s trains
+            while (
+                len(rollouts.queue) <= cfg.max_staleness and step + len(rollouts.queue) < cfg.steps
+            ):
+                rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
+            stats = step_gradient(rollouts, model, tok)
+            optimizer_step(model, opt, stats, cfg)
+            # on-policy: step s+1 is submitted now, and the server holds it until our push lands
+            sampled_version = rollouts.version
+            if cfg.max_staleness == 0 and step + 1 < cfg.steps:
+                rollouts.submit_next(rng.sample(data, cfg.prompts_per_step))
+            with timed(stats["sync"]):
+                rollouts.unless_lost(rollouts.push, full_weights(model))
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save_checkpoint(cfg, model, tok, opt, step + 1, rng, rollouts)
+            row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
+            history.append(row)
+            warn_mismatch(row, cfg)
+            print(json.dumps(row), file=log, flush=True)
+            bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{row['step_s']:.2f}")
+    save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rollouts)
+    finish_run(cfg, rollouts.client, held_out, history)
+    return history
+
+
+@dataclass
+class QueuedStep:
+    """A step's prompts, sampled and not yet trained on; `requests`: submit_rollouts()'s, once
+    submitted, to the server at weight `version`."""
+
+    rows: list
+    requests: list = None
+    version: int = 0
+
+
+class Rollouts:
+    """The loop's side of the server: the steps submitted and not yet trained on (oldest first),
+    the weights we pushed last and the version the server holds them as. Reconnecting lives
+    here: a call made through unless_lost() that finds the server lost (restarted, or not
+    reachable) waits for it, sets weight sync up again, pushes our weights, and leaves the queued
+    steps to be submitted again: what the lost server held is gone."""
+
+    def __init__(self, client, cfg, weights, queued_rows):
+        self.client = client
+        self.cfg = cfg
+        self.weights = weights
+        self.connect()
+        self.queue = collections.deque(QueuedStep(rows, None, self.version) for rows in queued_rows)
+
+    def connect(self):
+        self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
+        self.version = self.client.update_model_params(self.weights)
+
+    def unless_lost(self, function, *args):
+        """function(*args); None if the server was lost meanwhile (then reconnected)."""
+        try:
+            return function(*args)
+        except (ConnectionError, ServerError) as e:
+            if not server_lost(e):
+                raise
+            self.reconnect(e)
+            return None
+
+    def reconnect(self, why):
+        """Wait for the server (at most --reconnect-timeout s), set weight sync up again and push
+        our weights."""
+        timeout = self.cfg.reconnect_timeout
+        print(f"\nlost the server ({why}); reconnecting for up to {timeout} s", file=sys.stderr)
+        self.client.abort_pending()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.connect()
+                break
+            except (ConnectionError, ServerError) as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the server did not come back within --reconnect-timeout {timeout} s: {e}"
+                    ) from None
+                # a server still down fails at once, one not ready yet answers 503: every second
+                time.sleep(1)
+        print(
+            f"reconnected: the server holds our weights as version {self.version}", file=sys.stderr
+        )
+        for queued in self.queue:
+            queued.requests = None
+
+    def submit_queued(self):
+        """Submit the queued steps not submitted yet: they sample the weights the server holds."""
+        for queued in self.queue:
+            if queued.requests is None:
+                queued.version = self.version
+                queued.requests = submit_rollouts(self.client, queued.rows, self.cfg)
+
+    def submit_next(self, rows):
+        """Queue the next step and submit it at once, held by the server until our next push has
+        landed (min_version): no round trip between the push and the next step's generation."""
+        queued = QueuedStep(rows, None, self.version + 1)
+        self.queue.append(queued)
+        # if the server is lost, the push reconnects, and the next step submits it again
+        queued.requests = self.unless_lost(
+            submit_rollouts, self.client, rows, self.cfg, queued.version
+        )
+
+    def push(self, weights):
+        """Push `weights` into the server, one version more than it held: a run whose versions
+        depart from one per step stops. A drain that takes long is no lost server: a healthy
+        server's 503 says that requests were still in flight after --drain-timeout and nothing
+        was sent, and we push again, as long as it takes."""
+        self.weights = weights
+        while True:
+            try:
+                pushed = self.client.update_model_params(weights, mode=self.cfg.update_mode)
+                break
+            except ServerError as e:
+                if e.status != 503:
+                    raise
+                # one that does not answer is lost
+                self.client.health()
+        if pushed != self.version + 1:
+            raise RuntimeError(
+                f"one push took the server's weights from version {self.version} to {pushed}: "
+                "something else pushes into it, or an update was lost"
+            )
+        self.version = pushed
+
+
+def step_gradient(rollouts, model, tok):
+    """Accumulate the gradient of the oldest queued step (accumulate_step); if the server is lost
+    meanwhile, reconnect, submit again and start over (at most 3 times). Returns its statistics."""
+    for _ in range(3):
+        stats = rollouts.unless_lost(accumulate_step, rollouts, model, tok)
+        if stats is not None:
+            rollouts.queue.popleft()
+            return stats
+        lead("retry")
+        model.zero_grad(set_to_none=True)
+    raise RuntimeError("the server was lost 3 times during one step")
+
+
+@contextlib.contextmanager
+def timed(intervals):
+    """Append the block's [start, end] (time.time()) to `intervals`: where a step's time went."""
+    start = time.time()
+    yield
+    intervals.append([start, time.time()])
+
+
+def accumulate_step(rollouts, model, tok):
+    """Submit the queued steps not submitted yet; collect the oldest one's samples (with the
+    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands. The step
+    was submitted `staleness` pushes ago: with drain updates every token must be that many
+    versions behind our weights, in flight at most that many; a run that departs from its
+    schedule's promise stops. Returns the step's
+    rewards, tokens, per-token staleness, importance weights and trainer-minus-server logprobs,
+    and the intervals (time.time()) of generation on the server and training here."""
+    cfg = rollouts.cfg
+    rollouts.submit_queued()
+    queued = rollouts.queue[0]
+    version = rollouts.version
+    staleness = version - queued.version
+    oldest = staleness if cfg.update_mode == "drain" else 0
     rewards_all, tokens, lags, weights, deltas, gen, trained = [], 0, [], [], [], [], []
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
-    for mb, samples, timings in collect(client, rows, submitted, cfg):
-        t_ready = time.time()  # the trainer waited for this micro-batch until now
+    for rows, samples, timings in collect(rollouts.client, queued.rows, queued.requests, cfg):
         gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
-        # B = prompts * G
-        seqs = [sequence(r, x, tok, reward_fn) for r, group in zip(mb, samples) for x in group]
-        versions = {v for seq in seqs for v in seq["versions"]}
-        oldest = staleness if cfg.update_mode == "drain" else 0
-        if min(versions) < version - staleness or max(versions) > version - oldest:
-            if client.health()["version"] < version:  # versions start again at 0 in a new server
-                raise ConnectionError(
-                    f"the server restarted: its weight version went back from {version}"
+        # the trainer waited for this micro-batch until now
+        with timed(trained):
+            # B = prompts * G
+            seqs = [
+                sequence(r, x, tok, reward_fn) for r, group in zip(rows, samples) for x in group
+            ]
+            versions = {v for seq in seqs for v in seq["versions"]}
+            if min(versions) < version - staleness or max(versions) > version - oldest:
+                # versions start again at 0 in a new server
+                if rollouts.client.health()["version"] < version:
+                    raise ConnectionError(
+                        f"the server restarted: its weight version went back from {version}"
+                    )
+                raise RuntimeError(
+                    f"sample versions {sorted(versions)} at trainer version {version}: the "
+                    f"schedule promises {oldest} to {staleness} behind"
                 )
-            raise RuntimeError(
-                f"sample versions {sorted(versions)} at trainer version {version}: the schedule "
-                f"promises {oldest} to {staleness} behind"
+            rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
+            # (B,) within whole groups, before any split
+            advantages = group_advantages(rewards).flatten()
+            n, w, d = backward_share(model, cfg, seqs, advantages, version, tok.pad_token_id)
+            # how many versions behind ours the weights that sampled each completion token are
+            lags.append(
+                torch.tensor(
+                    [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
+                )
             )
-        rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(mb), cfg.group_size)
-        # (B,) within whole groups, before any split
-        advantages = group_advantages(rewards).flatten()
-        n, w, d = backward_share(model, cfg, seqs, advantages, version, tok.pad_token_id)
-        # how many versions behind ours the weights that sampled each completion token are
-        lags.append(
-            torch.tensor([version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m])
-        )
-        tokens += n
-        weights.append(w)
-        deltas.append(d)
-        rewards_all.append(rewards.flatten())
-        trained.append([t_ready, time.time()])
+            tokens += n
+            weights.append(w)
+            deltas.append(d)
+            rewards_all.append(rewards.flatten())
     return {
         "rewards": torch.cat(rewards_all),
         "tokens": tokens,
@@ -711,6 +896,7 @@ def accumulate_step(client, model, tok, rows, submitted, cfg, version, staleness
         "logprob_deltas": torch.cat(deltas),
         "gen": gen,
         "train": trained,
+        "sync": [],
     }
 
 
@@ -760,174 +946,34 @@ def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
     return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
 
 
-@contextlib.contextmanager
-def unless_lost():
-    """Run the block, but if the server is lost meanwhile skip the rest of it: the step's own
-    calls then find out and reconnect."""
-    try:
-        yield
-    except (ConnectionError, ServerError) as e:
-        if not server_lost(e):
-            raise
-
-
-def reconnect(client, weights, cfg, why):
-    """The server restarted or cannot be reached: wait for it (at most --reconnect-timeout s),
-    set weight sync up again and push our current weights. Returns the new weight version."""
-    print(
-        f"\nlost the server ({why}); reconnecting for up to {cfg.reconnect_timeout} s",
-        file=sys.stderr,
-        flush=True,
-    )
-    client.abort_pending()
-    deadline = time.monotonic() + cfg.reconnect_timeout
-    while True:
-        try:
-            # a server still down fails at once (ConnectionError): we try again every second
-            client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-            version = client.update_model_params(weights)
-            print(
-                f"reconnected: the server holds our weights as version {version}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return version
-        except (ConnectionError, ServerError) as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the server did not come back within "
-                    f"--reconnect-timeout {cfg.reconnect_timeout} s: {e}"
-                ) from None
-            time.sleep(1)  # a server that answers but is not ready yet (e.g. 503)
-
-
-def step_gradient(client, model, weights, tok, queue, cfg, version):
-    """Submit what is not submitted yet, and accumulate the gradient of the oldest queued step
-    (accumulate_step); if the server is lost meanwhile, reconnect, submit again and start over (at
-    most 3 times). Returns the step's statistics and our version."""
-    for attempt in range(3):
-        try:
-            for entry in (e for e in queue if e[1] is None):
-                entry[1:] = submit(client, entry[0], cfg), version
-            rows, futures, sampled = queue[0]
-            s = accumulate_step(client, model, tok, rows, futures, cfg, version, version - sampled)
-            queue.popleft()
-            return {**s, "reconnected": attempt > 0}, version
-        except (ConnectionError, ServerError) as e:
-            if attempt == 2 or not server_lost(e):
-                raise
-            lead("retry")
-            model.zero_grad(set_to_none=True)
-            version = reconnect(client, weights, cfg, e)
-            for entry in queue:
-                entry[1] = None  # what the lost server held is gone: submit again
-
-
 def optimizer_step(model, opt, s, cfg):
     lead("step", {"tokens": s["tokens"], "train": []})
     # the loss normalisation: divide the summed gradient by every completion token of the step
     # (under torchrun FSDP has averaged the ranks' gradients: hence tokens / ranks)
-    t0 = time.time()
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    for p in (p for p in model.parameters() if p.grad is not None):
-        p.grad /= max(s["tokens"], 1) / ranks
-    s["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    s["train"].append([t0, time.time()])
+    with timed(s["train"]):
+        for p in (p for p in model.parameters() if p.grad is not None):
+            p.grad /= max(s["tokens"], 1) / ranks
+        s["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.max_grad_norm
+        ).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
-def push(client, weights, cfg, version, reconnected):
-    """Push our weights into the server and return the new version, one more than `version`: a
-    run whose versions depart from one per step stops (unless it reconnected to a new server). A
-    drain that takes long is no lost server: a healthy server's 503 says that requests were still
-    in flight after --drain-timeout and nothing was sent, and we push again, as long as it takes."""
-    while True:
-        try:
-            pushed = client.update_model_params(weights, mode=cfg.update_mode)
-            break
-        except (ConnectionError, ServerError) as e:
-            if not server_lost(e):
-                raise
-            with contextlib.suppress(ConnectionError, ServerError):
-                if getattr(e, "status", 0) == 503 and client.health():
-                    continue
-            return reconnect(client, weights, cfg, e)
-    if pushed != version + 1 and not reconnected:
-        raise RuntimeError(
-            f"one push took the server's weights from version {version} to {pushed}: "
-            "something else pushes into it, or an update was lost"
-        )
-    return pushed
-
-
-def train(cfg: Config, client: Client, data=None):
-    """Run GRPO; `data`: load_data's (training rows, held-out rows), loaded here if not given."""
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    data, held_out = data or load_data(cfg)
-    tok = AutoTokenizer.from_pretrained(cfg.model)
-    model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
-    start, queued_rows, history = start_run(cfg, opt, rng, data)
-    client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-    weights = full_weights(model)
-    version = client.update_model_params(weights)  # the server samples from exactly these weights
-    os.makedirs(cfg.out, exist_ok=True)
-    t_run = time.time()
-    # the steps sampled and not yet trained on, oldest first: [rows, futures once submitted, the
-    # version they sample]
-    queue = collections.deque([step_rows, None, version] for step_rows in queued_rows)
-    # `with client`: if anything below raises, the requests still generating on the server are
-    # aborted
-    with (
-        client,
-        open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log,
-        tqdm(range(start, cfg.steps), desc="GRPO") as bar,
-    ):
-        # a resumed run's metrics so far: the steps before its checkpoint
-        log.writelines(json.dumps(row) + "\n" for row in history)
-        for step in bar:
-            evaluation = None
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                # if lost, this step reconnects below and goes on without this evaluation
-                with unless_lost():
-                    evaluation = evaluate(client, held_out, cfg)
-            t_step = time.time()
-            # K = --max-staleness steps ahead: s+1..s+K generate on these weights while s trains
-            while len(queue) <= cfg.max_staleness and step + len(queue) < cfg.steps:
-                queue.append([rng.sample(data, cfg.prompts_per_step), None, version])
-            s, version = step_gradient(client, model, weights, tok, queue, cfg, version)
-            optimizer_step(model, opt, s, cfg)
-            # on-policy: the server holds step s+1 until the push below lands
-            if cfg.max_staleness == 0 and step + 1 < cfg.steps:
-                queue.append([rng.sample(data, cfg.prompts_per_step), None, version + 1])
-                # if lost, the push below reconnects, and the next step submits again
-                with unless_lost():
-                    queue[-1][1] = submit(client, queue[-1][0], cfg, min_version=version + 1)
-            t_sync, sampled_version = time.time(), version
-            weights = full_weights(model)
-            version = push(client, weights, cfg, version, s["reconnected"])
-            s["sync"] = [[t_sync, time.time()]]
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                rows = [e[0] for e in queue]
-                save_checkpoint(cfg, model, weights, tok, opt, step + 1, rng, rows)
-            row = step_metrics(step, s, cfg, sampled_version, t_step, t_run, evaluation)
-            history.append(row)
-            warn_mismatch(row, cfg)
-            print(json.dumps(row), file=log, flush=True)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{row['step_s']:.2f}")
+def finish_run(cfg, client, held_out, history):
+    """After the last step: evaluate the final weights (with --eval-every), plot the run, and print
+    how reward and accuracy moved."""
     evals = [(h["step"], h["eval"]) for h in history if "eval" in h]
-    if cfg.eval_every:  # and on the final weights
+    if cfg.eval_every:
         evals.append((cfg.steps, final_eval(client, held_out, cfg)))
     client.close_communicator()
     plot(history, os.path.join(cfg.out, "plot.png"), evals)
-    save_checkpoint(cfg, model, weights, tok, opt, cfg.steps, rng, [e[0] for e in queue])
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
         last = mean(h[key] for h in history[-5:])
         print(f"{key}: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     print(f"outputs in {cfg.out}")
-    return history
 
 
 def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
@@ -1038,16 +1084,18 @@ def state_path(run):
     return os.path.join(run, "checkpoint", "trainer_state.pt")
 
 
-def save_checkpoint(cfg, model, weights, tok, opt, next_step, rng, rows):
+def save_checkpoint(cfg, model, tok, opt, next_step, rng, rollouts):
     """Replace --out/checkpoint with everything the run needs to go on at `next_step`: the model and
     tokenizer (save_pretrained: a checkpoint is a model to serve too) and trainer_state.pt: the
     optimizer, the step, and the data order (the sampler's RNG state and the rows of the steps
-    already sampled: `next_step` and, with --max-staleness K, the K after it). The model's
-    `weights` are full_weights': under torchrun its own are shards, and so is the optimizer's
-    state: such a checkpoint has no trainer_state.pt, it serves but does not resume."""
+    already sampled: `next_step` and, with --max-staleness K, the K after it). The weights saved
+    are the ones pushed last, full_weights': under torchrun the model's own are shards, and so is
+    the optimizer's state: such a checkpoint has no trainer_state.pt, it serves but does not
+    resume."""
+    rows = [queued.rows for queued in rollouts.queue]
     state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
     extra = {} if dist.is_initialized() else {"trainer_state.pt": state}
-    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
+    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, rollouts.weights)
 
 
 def start_run(cfg, opt, rng, data):
