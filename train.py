@@ -350,11 +350,7 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
     attention = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # (B, T)
     mask = torch.tensor([m + [0] * (T - len(m)) for m in masks], dtype=torch.float32)  # (B, T)
     # aligned with the targets
-    batch = {
-        "input_ids": input_ids,
-        "attention": attention,
-        "mask": mask[:, 1:],
-    }
+    batch = {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}
     if old_logprobs is not None:
         # (B, T)
         old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])
@@ -507,24 +503,20 @@ def submit_rollouts(client, rows, cfg, min_version=0):
         min_version=min_version,
         # a queued step's results wait on the server, however long the steps before it train
         keep_result=True,
-        is_async=True,
     )
     if cfg.seed_requests:
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
-    # every prompt its own request, all at once: the engine decodes one big batch
-    if cfg.schedule == "overlap":
-        if cfg.task == "calculator":
-            return [([r], request([r["prompt"]], **sampling)) for r in rows]
-        sampling.pop("is_async")
-        return list(
-            zip(
-                [[r] for r in rows],
-                client.generate([r["prompt"] for r in rows], split_prompts=True, **sampling),
-            )
-        )
-    # sync-batch: the whole step as one request
-    return [(rows, request([r["prompt"] for r in rows], **sampling))]
+    prompts = [r["prompt"] for r in rows]
+    if cfg.schedule == "sync-batch":
+        # the whole step as one request
+        return [(rows, request(prompts, is_async=True, **sampling))]
+    if cfg.task == "calculator":
+        # every prompt its own request
+        return [([r], request([r["prompt"]], is_async=True, **sampling)) for r in rows]
+    # every prompt its own request, all in one call: the engine decodes one big batch
+    futures = client.generate(prompts, split_prompts=True, **sampling)
+    return [([r], future) for r, future in zip(rows, futures)]
 
 
 def collect(client, rows, submitted, cfg):
@@ -647,16 +639,10 @@ def draw_timeline(ax, history, steps=4):
     generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
     shown = history[len(history) // 2 :][:steps]
     t0 = min(a for h in shown for a, _ in h["intervals"]["gen"] + h["intervals"]["train"])
-    for lane, (key, color) in enumerate(
-        [("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]
-    ):
-        for h in shown:
-            ax.broken_barh(
-                [(a - t0, b - a) for a, b in h["intervals"][key]],
-                (lane - 0.4, 0.8),
-                color=color,
-                alpha=0.5,
-            )
+    lanes = [("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]
+    for lane, (key, color) in enumerate(lanes):
+        bars = [(a - t0, b - a) for h in shown for a, b in h["intervals"][key]]
+        ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, alpha=0.5)
     ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
     ax.set_xlabel(
         f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)"
@@ -700,7 +686,9 @@ def train(cfg: Config, client: Client, data=None):
             # on-policy: step s+1 is submitted now, and the server holds it until our push lands
             sampled_version = rollouts.version
             if cfg.max_staleness == 0 and step + 1 < cfg.steps:
-                rollouts.submit_next(rng.sample(data, cfg.prompts_per_step))
+                rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
+                # if the server is lost, the push reconnects and the next step submits it again
+                rollouts.unless_lost(rollouts.submit_queued, rollouts.version + 1)
             with timed(stats["sync"]):
                 rollouts.unless_lost(rollouts.push, full_weights(model))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -736,12 +724,15 @@ class Rollouts:
         self.client = client
         self.cfg = cfg
         self.weights = weights
+        self.queue = collections.deque(QueuedStep(rows) for rows in queued_rows)
         self.connect()
-        self.queue = collections.deque(QueuedStep(rows, None, self.version) for rows in queued_rows)
 
     def connect(self):
+        """Set weight sync up, push our weights, and leave the queued steps to be submitted."""
         self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
         self.version = self.client.update_model_params(self.weights)
+        for queued in self.queue:
+            queued.requests = None
 
     def unless_lost(self, function, *args):
         """function(*args); None if the server was lost meanwhile (then reconnected)."""
@@ -771,28 +762,16 @@ class Rollouts:
                     ) from None
                 # a server still down fails at once, one not ready yet answers 503: every second
                 time.sleep(1)
-        print(
-            f"reconnected: the server holds our weights as version {self.version}", file=sys.stderr
-        )
-        for queued in self.queue:
-            queued.requests = None
+        print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
-    def submit_queued(self):
-        """Submit the queued steps not submitted yet: they sample the weights the server holds."""
+    def submit_queued(self, min_version=0):
+        """Submit the queued steps not submitted yet: to sample the weights the server holds, or
+        with `min_version` those weights, held by the server until our push loads them (no round
+        trip between the push and the next step's generation)."""
         for queued in self.queue:
             if queued.requests is None:
-                queued.version = self.version
-                queued.requests = submit_rollouts(self.client, queued.rows, self.cfg)
-
-    def submit_next(self, rows):
-        """Queue the next step and submit it at once, held by the server until our next push has
-        landed (min_version): no round trip between the push and the next step's generation."""
-        queued = QueuedStep(rows, None, self.version + 1)
-        self.queue.append(queued)
-        # if the server is lost, the push reconnects, and the next step submits it again
-        queued.requests = self.unless_lost(
-            submit_rollouts, self.client, rows, self.cfg, queued.version
-        )
+                queued.version = max(self.version, min_version)
+                queued.requests = submit_rollouts(self.client, queued.rows, self.cfg, min_version)
 
     def push(self, weights):
         """Push `weights` into the server, one version more than it held: a run whose versions
@@ -843,22 +822,25 @@ def accumulate_step(rollouts, model, tok):
     chosen schedule) and accumulate the policy gradient of each micro-batch as it lands. The step
     was submitted `staleness` pushes ago: with drain updates every token must be that many
     versions behind our weights, in flight at most that many; a run that departs from its
-    schedule's promise stops. Returns the step's
-    rewards, tokens, per-token staleness, importance weights and trainer-minus-server logprobs,
-    and the intervals (time.time()) of generation on the server and training here."""
+    schedule's promise stops. Returns the step's rewards, tokens, per-token staleness, importance
+    weights and trainer-minus-server logprobs, and the intervals (time.time()) of generation on
+    the server and training here ("sync" is filled in by the loop)."""
     cfg = rollouts.cfg
     rollouts.submit_queued()
     queued = rollouts.queue[0]
     version = rollouts.version
     staleness = version - queued.version
     oldest = staleness if cfg.update_mode == "drain" else 0
-    rewards_all, tokens, lags, weights, deltas, gen, trained = [], 0, [], [], [], [], []
+    tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
+    stats = {"tokens": 0, "gen": [], "train": [], "sync": []}
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
     for rows, samples, timings in collect(rollouts.client, queued.rows, queued.requests, cfg):
-        gen.append([min(m["started"] for m in timings), max(m["finished"] for m in timings)])
+        stats["gen"].append(
+            [min(m["started"] for m in timings), max(m["finished"] for m in timings)]
+        )
         # the trainer waited for this micro-batch until now
-        with timed(trained):
+        with timed(stats["train"]):
             # B = prompts * G
             seqs = [
                 sequence(r, x, tok, reward_fn) for r, group in zip(rows, samples) for x in group
@@ -878,26 +860,14 @@ def accumulate_step(rollouts, model, tok):
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
             n, w, d = backward_share(model, cfg, seqs, advantages, version, tok.pad_token_id)
+            stats["tokens"] += n
             # how many versions behind ours the weights that sampled each completion token are
-            lags.append(
-                torch.tensor(
-                    [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
-                )
-            )
-            tokens += n
-            weights.append(w)
-            deltas.append(d)
-            rewards_all.append(rewards.flatten())
-    return {
-        "rewards": torch.cat(rewards_all),
-        "tokens": tokens,
-        "staleness": torch.cat(lags),
-        "is_weights": torch.cat(weights),
-        "logprob_deltas": torch.cat(deltas),
-        "gen": gen,
-        "train": trained,
-        "sync": [],
-    }
+            lags = [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
+            tensors["staleness"].append(torch.tensor(lags))
+            tensors["rewards"].append(rewards.flatten())
+            tensors["is_weights"].append(w)
+            tensors["logprob_deltas"].append(d)
+    return stats | {key: torch.cat(values) for key, values in tensors.items()}
 
 
 def backward(model, seqs, advantages, version, cfg, pad_id):
