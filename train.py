@@ -493,7 +493,8 @@ def requester(client, cfg):
 
 
 def submit_rollouts(client, rows, cfg, min_version=0):
-    """Send a step's prompts the way the schedule wants them; returns [(rows, future)]. With
+    """Send a step's prompts the way the schedule wants them: the RemoteFutures (one for the whole
+    step with sync-batch, one per prompt with overlap, in the rows' order). With
     `min_version` the server holds them until those weights are loaded (no round trip needed)."""
     request = requester(client, cfg)
     sampling = dict(
@@ -510,40 +511,37 @@ def submit_rollouts(client, rows, cfg, min_version=0):
     prompts = [r["prompt"] for r in rows]
     if cfg.schedule == "sync-batch":
         # the whole step as one request
-        return [(rows, request(prompts, is_async=True, **sampling))]
+        return [request(prompts, is_async=True, **sampling)]
     if cfg.task == "calculator":
         # every prompt its own request
-        return [([r], request([r["prompt"]], is_async=True, **sampling)) for r in rows]
+        return [request([prompt], is_async=True, **sampling) for prompt in prompts]
     # every prompt its own request, all in one call: the engine decodes one big batch
-    futures = client.generate(prompts, split_prompts=True, **sampling)
-    return [([r], future) for r, future in zip(rows, futures)]
+    return client.generate(prompts, split_prompts=True, **sampling)
 
 
-def collect(client, rows, submitted, cfg):
+def collect(client, rows, futures, cfg):
     """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G],
     in the order the schedule hands them to the trainer. Whatever the order and composition of
     micro-batches, the step's summed gradient is the same: only *when* the trainer gets each sample
     changes. Micro-batches are split by prompt, never inside a prompt's group: a group's advantages
     need all G of its rewards, so a group never straddles two micro-batches."""
-    N, size = cfg.micro_batches, len(rows) // cfg.micro_batches
-    if cfg.schedule == "overlap":
-        # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
-        # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
-        row_of, done = {f.request_id: r for [r], f in submitted}, []
-        for future, [group] in client.as_completed([f for _, f in submitted]):
-            done.append((row_of[future.request_id], group, future.timing))
-            if len(done) == size:
-                yield [r for r, _, _ in done], [g for _, g, _ in done], [m for _, _, m in done]
-                done = []
-    else:  # sync-batch: wait for the whole step, then train on its slices
-        [(_, future)] = submitted
+    size = len(rows) // cfg.micro_batches
+    if cfg.schedule == "sync-batch":
+        # wait for the whole step, then train on its slices
+        [future] = futures
         results = future.result()
-        for i in range(N):
-            yield (
-                rows[i * size : (i + 1) * size],
-                results[i * size : (i + 1) * size],
-                [future.timing],
-            )
+        for i in range(0, len(rows), size):
+            yield rows[i : i + size], results[i : i + size], [future.timing]
+        return
+    # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
+    # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
+    row_of = {future.request_id: row for row, future in zip(rows, futures)}
+    done = []
+    for future, [group] in client.as_completed(futures):
+        done.append((row_of[future.request_id], group, future.timing))
+        if len(done) == size:
+            yield [r for r, _, _ in done], [g for _, g, _ in done], [t for _, _, t in done]
+            done = []
 
 
 # -- evaluation ------------------------------------------------------------------------------------
@@ -569,14 +567,9 @@ def evaluate(client, rows, cfg):
     per_task = {}
     for row, samples in zip(rows, results, strict=True):
         if len(samples) != n:
-            raise RuntimeError(
-                f"{len(samples)} samples for prompt {row['prompt']!r}, asked for {n}"
-            )
-        correct = sum(
-            score(reward_fn, s.turns[-1]["text"] if isinstance(s, Episode) else s.text, row)
-            >= cfg.success_threshold
-            for s in samples
-        )
+            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked for {n}")
+        texts = [s.turns[-1]["text"] if isinstance(s, Episode) else s.text for s in samples]
+        correct = sum(score(reward_fn, text, row) >= cfg.success_threshold for text in texts)
         for task in ("", row.get("task", cfg.task) + "/"):
             per_task.setdefault(task, []).append(correct)
     return {
@@ -1042,9 +1035,9 @@ def eval_only(client, cfg, held_out):
     """--eval-only: evaluate --model. A server given by --server-url gets its weights pushed first
     (one that train.py starts loads them); without --model, what that server holds is evaluated."""
     if cfg.server_url and cfg.model:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        model = load_model(cfg.model, cfg.device)
         client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-        client.update_model_params(model.to(cfg.device))
+        client.update_model_params(model)
         client.close_communicator()
     return final_eval(client, held_out, cfg)
 
@@ -1109,9 +1102,8 @@ def main(argv=None):
             return follow()
     # without --model, --eval-only --server-url evaluates the weights that server holds
     if not cfg.model and not (cfg.eval_only and cfg.server_url):
-        cfg.model = warm_start(
-            tiny_model(), tiny_model() + "-addition", cfg.warm_start_steps, cfg.seed
-        )
+        base = tiny_model()
+        cfg.model = warm_start(base, base + "-addition", cfg.warm_start_steps, cfg.seed)
     print(json.dumps(asdict(cfg)))
     # before any server starts: a run is never overwritten, and every row of the data is checked
     if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
@@ -1120,11 +1112,6 @@ def main(argv=None):
         data = load_data(cfg)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    run = (
-        functools.partial(eval_only, cfg=cfg, held_out=data[1])
-        if cfg.eval_only
-        else functools.partial(train, cfg, data=data)
-    )
     os.makedirs(cfg.out, exist_ok=True)
     servers = []  # (process, Client) of each server started here, added as it comes up
     try:
@@ -1132,7 +1119,8 @@ def main(argv=None):
             with ThreadPoolExecutor(cfg.num_servers) as pool:
                 list(pool.map(lambda k: servers.append(launch(cfg, k)), range(cfg.num_servers)))
         urls = cfg.server_url.split(",") if cfg.server_url else [c.base_url for _, c in servers]
-        result = run(connect(cfg, urls))
+        client = connect(cfg, urls)
+        result = eval_only(client, cfg, data[1]) if cfg.eval_only else train(cfg, client, data)
         lead("stop")
         return result
     finally:
