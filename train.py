@@ -384,15 +384,10 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
         logits = postprocess_logits(head(h).float(), model.config) * scale  # (chunk, V)
         return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
 
-    out = [
-        checkpoint(
-            chunk_logprobs,
-            hidden[i : i + chunk_tokens],
-            targets[i : i + chunk_tokens],
-            use_reentrant=False,
-        )
-        for i in range(0, len(targets), chunk_tokens)
-    ]
+    out = []
+    for i in range(0, len(targets), chunk_tokens):
+        chunk = slice(i, i + chunk_tokens)
+        out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
     return torch.cat(out).view(ids.shape[0], -1).cpu()
 
 
@@ -598,23 +593,16 @@ def plot(history, path, evals=()):
     for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][::2]:
         ax1.plot(eval_steps, [e[k] for _, e in evals], "s--", label=f"held-out {k}")
     ax1.legend(loc="lower right", fontsize=8)
-    ax1.set(
-        ylabel="per sample",
-        title=f"GRPO, {history[0]['schedule']} schedule, max staleness "
-        f"{max(h['staleness'] for h in history):.0f}",
-    )
+    staleness = max(h["staleness"] for h in history)
+    title = f"GRPO, {history[0]['schedule']} schedule, max staleness {staleness:.0f}"
+    ax1.set(ylabel="per sample", title=title)
+    # the trainer's time, stacked: training, idle (waiting for samples), the weight push
     bottom = [0.0] * len(steps)
-    for key, color, label in [
-        ("train_s", "tab:blue", "train"),
-        ("idle_s", "tab:red", "idle (waiting for samples)"),
-        ("sync_s", "tab:green", "sync"),
-    ]:
+    for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
         values = [h[key] for h in history]
-        ax2.bar(steps, values, bottom=bottom, color=color, label=label)
+        ax2.bar(steps, values, bottom=bottom, color=color, label=key)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.plot(
-        steps, [h["gen_s"] for h in history], color="black", marker=".", label="generation (server)"
-    )
+    ax2.plot(steps, [h["gen_s"] for h in history], "k.-", label="gen_s (server)")
     ax2.set(xlabel="optimizer step", ylabel="seconds")
     ax2.legend(loc="upper right", fontsize=8)
     draw_timeline(ax3, history)
@@ -670,9 +658,8 @@ def train(cfg: Config, client: Client, data=None):
                 # on the weights this step samples; a step that loses the server goes without
                 evaluation = rollouts.unless_lost(evaluate, client, held_out, cfg)
             # K = --max-staleness steps ahead: s+1..s+K generate on these weights while s trains
-            while (
-                len(rollouts.queue) <= cfg.max_staleness and step + len(rollouts.queue) < cfg.steps
-            ):
+            ahead = min(cfg.max_staleness, cfg.steps - 1 - step)
+            while len(rollouts.queue) <= ahead:
                 rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
             stats = step_gradient(rollouts, model, tok)
             optimizer_step(model, opt, stats, cfg)
@@ -750,9 +737,7 @@ class Rollouts:
                 break
             except (ConnectionError, ServerError) as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the server did not come back within --reconnect-timeout {timeout} s: {e}"
-                    ) from None
+                    raise RuntimeError(f"the server was not back within {timeout} s: {e}") from None
                 # a server still down fails at once, one not ready yet answers 503: every second
                 time.sleep(1)
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
@@ -812,12 +797,11 @@ def timed(intervals):
 
 def accumulate_step(rollouts, model, tok):
     """Submit the queued steps not submitted yet; collect the oldest one's samples (with the
-    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands. The step
-    was submitted `staleness` pushes ago: with drain updates every token must be that many
-    versions behind our weights, in flight at most that many; a run that departs from its
-    schedule's promise stops. Returns the step's rewards, tokens, per-token staleness, importance
-    weights and trainer-minus-server logprobs, and the intervals (time.time()) of generation on
-    the server and training here ("sync" is filled in by the loop)."""
+    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands. Drain
+    updates: every token of a step submitted `staleness` pushes ago is that many versions behind
+    ours (in flight, at most that many), or the run stops. Returns the step's rewards, tokens,
+    per-token staleness, importance weights, trainer-minus-server logprobs, and the intervals
+    (time.time()) of generation on the server and training here ("sync": the loop's)."""
     cfg = rollouts.cfg
     rollouts.submit_queued()
     queued = rollouts.queue[0]
@@ -881,13 +865,11 @@ def backward(model, seqs, advantages, version, cfg, pad_id):
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
     size = cfg.train_micro_batch or max(len(seqs), 1)
     for i in range(0, len(seqs), size):
-        part, sl = seqs[i : i + size], slice(i, i + size)
+        chunk = slice(i, i + size)
+        part = seqs[chunk]
+        column = {key: [seq[key] for seq in part] for key in ("ids", "mask", "logprobs")}
         batch = make_batch(
-            [[]] * len(part),
-            [seq["ids"] for seq in part],
-            pad_id,
-            [seq["mask"] for seq in part],
-            [seq["logprobs"] for seq in part],
+            [[]] * len(part), column["ids"], pad_id, column["mask"], column["logprobs"]
         )
         versions = [torch.tensor(x["versions"]) for x in part]
         # (b, T-1) True where weights older than ours sampled the target token
@@ -895,7 +877,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id):
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
             logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
         old, sampled = batch["old_logprobs"], batch["mask"] > 0
-        loss, w = pg_loss(logprobs, old, advantages[sl], batch["mask"], stale, cfg.is_cap)
+        loss, w = pg_loss(logprobs, old, advantages[chunk], batch["mask"], stale, cfg.is_cap)
         loss.backward()  # gradients accumulate; normalised once the whole step is in
         weights.append(w[stale & sampled])
         deltas.append((logprobs.detach() - old)[~stale & sampled])
