@@ -477,14 +477,13 @@ def per_token(spans, offset, length):
 # -- the schedules: submit_rollouts() sends a step's prompts, collect() hands them over ------------
 def requester(client, cfg):
     """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
-    if cfg.task == "calculator":
-        return functools.partial(
-            client.rollout,
-            tools=["calc"],
-            max_turns=cfg.max_turns,
-            max_episode_tokens=cfg.max_turns * (cfg.max_tokens + 16),
-        )
-    return client.generate
+    if cfg.task != "calculator":
+        return client.generate
+    # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
+    episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
+    return functools.partial(
+        client.rollout, tools=["calc"], max_turns=cfg.max_turns, max_episode_tokens=episode_tokens
+    )
 
 
 def submit_rollouts(client, rows, cfg, min_version=0):
@@ -994,7 +993,6 @@ def warn_mismatch(row, cfg):
             f"--mismatch-warning {cfg.mismatch_warning}. Usual causes: another tokenizer or chat "
             f"template on the two sides, the served --dtype, the family's logit post-processing.\n",
             file=sys.stderr,
-            flush=True,
         )
 
 
