@@ -1151,7 +1151,7 @@ def follow():
     """Ranks > 0 under torchrun: hold a shard of the model; train on our share of each micro-batch
     rank 0 hands over, step with it, and gather the full weights with it once at the start and
     after each step (rank 0 then pushes them)."""
-    cfg, model, opt = None, None, None
+    # the first command is "start" (cfg, model and opt), or "stop" when rank 0 only evaluates
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
