@@ -666,7 +666,7 @@ def train(cfg: Config, client: Client, data=None):
             sampled_version = rollouts.version
             if cfg.max_staleness == 0 and step + 1 < cfg.steps:
                 rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
-                # if the server is lost, the push reconnects and the next step submits it again
+                # if the server is lost meanwhile, it is reconnected and the next step submits
                 rollouts.unless_lost(rollouts.submit_queued, rollouts.version + 1)
             with timed(stats["sync"]):
                 rollouts.unless_lost(rollouts.push, full_weights(model))
