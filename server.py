@@ -23,12 +23,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import prometheus_client as prom
 from aiohttp import web
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.aiohttp import make_aiohttp_handler
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from client import DTYPES, TRANSPORTS, tiny_model, tokenizer_missing
+from client import DTYPES, TRANSPORTS, Episode, tiny_model, tokenizer_missing
 from engine import Engine, RolloutEngine, check_encodable, engine_args
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
@@ -51,23 +52,39 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": bool,
     "skip_special_tokens": bool,
 }
+# the fields of /generate and /rollout besides the sampling ones: read by submit() and the routes
+REQUEST_FIELDS = ("prompts", "priority", "min_version", "keep_result")
+ROLLOUT_FIELDS = ("tools", "max_turns", "max_episode_tokens", "call_start", "call_end")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+# /metrics: prometheus_client's default registry, served by its own aiohttp handler (the gauges
+# are read from the engine when scraped: make_app)
+REQUESTS = Counter("asyncgrpo_requests", "Finished generate/rollout calls")
+COMPLETION_TOKENS = Counter("asyncgrpo_completion_tokens", "Completion tokens generated")
+IN_FLIGHT = Gauge("asyncgrpo_in_flight", "Prompts being generated")
+PENDING_RESULTS = Gauge("asyncgrpo_pending_results", "Requests submitted and not yet fetched")
+EXPIRED_RESULTS = Counter("asyncgrpo_expired_results", "Results dropped unfetched (--result-ttl)")
+WEIGHT_VERSION = Gauge("asyncgrpo_weight_version", "Current weight version")
+SYNC_SECONDS = Histogram("asyncgrpo_weight_sync_seconds", "Seconds per weight update")
 
 
 @dataclass
 class State:
-    """What the routes share, besides the engine. `opts` are the server's flags (parse_args)."""
+    """What the routes share, besides the engine. `flags` are the server's flags (parse_args)."""
 
-    opts: argparse.Namespace
+    flags: argparse.Namespace
     # request id -> (asyncio task, its arguments' key), oldest first
     tasks: dict = field(default_factory=dict)
     # ids a /get_future call is waiting for: one caller at a time, or the second finds it fetched
     waiting: set = field(default_factory=set)
     # X-Session-ID -> {"calls": [...], "tokens": recorded or reserved, "started", "used": time}
     sessions: dict = field(default_factory=dict)
-    transport: str | None = None  # the weight transport set up by /init_communicator, if any
-    engine_died: bool = False  # the server then exits non-zero
-    vocab_size: int = 0  # the rest is read from the engine at start
+    # the weight transport set up by /init_communicator, if any
+    transport: str | None = None
+    # the server then exits non-zero
+    engine_died: bool = False
+    # the rest is read from the engine at start
+    vocab_size: int = 0
     dtype: str = ""
     workers: int = 1
     weight_spec: dict = field(default_factory=dict)
@@ -77,15 +94,15 @@ class State:
 ENGINE = web.AppKey("engine", Engine)
 ROLLOUT = web.AppKey("rollout", RolloutEngine)
 STATE = web.AppKey("state", State)
-METRICS = web.AppKey("metrics", dict)
 
 
 class ApiError(web.HTTPException):
     """Raised anywhere in a route: answers `status` with {"error": message} (see `errors`)."""
 
-    def __init__(self, status, message):
-        self.status_code, self.message = status, message
-        super().__init__()
+    def __init__(self, message, status=400):
+        # aiohttp's HTTPException reads its status from the class; ours is per instance
+        self.status_code = status
+        super().__init__(text=message)
 
 
 # -- validation: turn a JSON body into engine arguments, or answer 400 -----------------------------
@@ -93,84 +110,96 @@ async def read_json(request) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"body is not UTF-8 JSON: {e}") from None
+        raise ApiError(f"body is not UTF-8 JSON: {e}") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "body must be a JSON object")
+        raise ApiError("body must be a JSON object")
     return body
 
 
-def get(body, name, kind, default=None, low=None, high=None, flag=""):
-    """body[name] (or `default`), checked to be a `kind` (for [k]: a list of k) within [low, high],
-    or a 400."""
+def checked_field(body, name, value_type, default=None, low=None, high=None, flag=""):
+    """body[name] (or `default`), checked to be a `value_type` (for [t]: a list of t) within
+    [low, high], or a 400. JSON's true is no number, and its 1 is a fine float."""
     value = body.get(name, default)
-    if isinstance(kind, list):
-        if not isinstance(value, list) or not all(
-            isinstance(v, kind[0]) and not isinstance(v, bool) for v in value
-        ):
-            raise ApiError(400, f"'{name}' must be a list of {kind[0].__name__}")
+    if isinstance(value_type, list):
+        if not isinstance(value, list) or not all(json_isinstance(v, value_type[0]) for v in value):
+            raise ApiError(f"'{name}' must be a list of {value_type[0].__name__}")
         return value
-    # JSON's 1 is a fine float; true is not a number
-    kinds = (int, float) if kind is float else kind
-    if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
-        raise ApiError(400, f"'{name}' must be {kind.__name__}, got {type(value).__name__}")
-    if kind is float and not math.isfinite(value):  # Python's json reads NaN and Infinity
-        raise ApiError(400, f"'{name}' must be a finite number")
+    if not json_isinstance(value, value_type):
+        raise ApiError(f"'{name}' must be {value_type.__name__}, got {type(value).__name__}")
+    # Python's json reads NaN and Infinity
+    if value_type is float and not math.isfinite(value):
+        raise ApiError(f"'{name}' must be a finite number")
     if low is not None and not low <= value <= high:
-        raise ApiError(400, f"'{name}' must be between {low} and {high}{flag}")
+        raise ApiError(f"'{name}' must be between {low} and {high}{flag}")
     return value
 
 
+def json_isinstance(value, value_type) -> bool:
+    """isinstance as JSON means it: a bool is no number, an int is a float."""
+    if isinstance(value, bool):
+        return value_type is bool
+    return isinstance(value, (int, float) if value_type is float else value_type)
+
+
 def parse_prompts(body, state) -> list:
-    prompts, vocab_size = body.get("prompts"), state.vocab_size
+    """body["prompts"]: a non-empty list of non-empty strings or token-id lists, or a 400."""
+    prompts = body.get("prompts")
     if not isinstance(prompts, list) or not prompts:
-        raise ApiError(400, "'prompts' must be a non-empty list of strings or of token-id lists")
-    for p in prompts:
-        if not (
-            isinstance(p, str)
-            and p
-            or isinstance(p, list)
-            and p
-            and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
-            )
-        ):
+        raise ApiError("'prompts' must be a non-empty list of strings or of token-id lists")
+    for prompt in prompts:
+        if not prompt or not (isinstance(prompt, str) or is_token_ids(prompt, state.vocab_size)):
             raise ApiError(
-                400,
                 f"each prompt must be a non-empty string or a list of token ids "
-                f"in [0, {vocab_size}); got {str(p)[:80]}",
+                f"in [0, {state.vocab_size}); got {str(prompt)[:80]}",
             )
     return prompts
 
 
+def is_token_ids(value, vocab_size) -> bool:
+    return isinstance(value, list) and all(
+        json_isinstance(t, int) and 0 <= t < vocab_size for t in value
+    )
+
+
 def parse_sampling(body, state, extra=()) -> SamplingParams:
-    """SamplingParams from the body's fields, within the server's caps, or a 400. Also checks
-    "keep_result", which submit() reads."""
-    known = {"prompts", "priority", "keep_result", *extra}
-    if unknown := sorted(set(body) - set(SAMPLING_FIELDS) - known):
-        raise ApiError(
-            400, f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}"
-        )
-    get(body, "keep_result", bool, False)
+    """SamplingParams from the body's fields, within the server's caps, or a 400. `extra` names
+    the other fields the body may have."""
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - {"prompts", *extra})
+    if unknown:
+        raise ApiError(f"unknown fields {unknown}; sampling fields are {sorted(SAMPLING_FIELDS)}")
     fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
-    for k, v in fields.items():
-        if not (k == "stop" and isinstance(v, str)):  # vLLM takes one stop string or a list of them
-            get(fields, k, SAMPLING_FIELDS[k])
-    opts, n = state.opts, get(fields, "n", int, 1, 1, state.opts.max_n, " (--max-n)")
-    get(fields, "max_tokens", int, 16, 1, opts.max_model_len, " (--max-model-len)")
+    for name, value in fields.items():
+        # vLLM takes one stop string or a list of them
+        if not (name == "stop" and isinstance(value, str)):
+            checked_field(fields, name, SAMPLING_FIELDS[name])
+    flags = state.flags
+    n = checked_field(fields, "n", int, 1, 1, flags.max_n, " (--max-n)")
+    checked_field(fields, "max_tokens", int, 16, 1, flags.max_model_len, " (--max-model-len)")
     sequences = n * len(body.get("prompts") or [])
-    if sequences > opts.max_request_seqs:
+    if sequences > flags.max_request_seqs:
         raise ApiError(
-            400,
             f"{sequences} sequences (prompts x n) in one request; "
-            f"at most {opts.max_request_seqs} (--max-request-seqs)",
+            f"at most {flags.max_request_seqs} (--max-request-seqs)",
         )
     try:
         params = SamplingParams(**fields)
         # the last guard: what the engine's input thread could not decode never reaches it
         check_encodable(params)
     except Exception as e:  # vLLM's validation errors (their class changes between releases)
-        raise ApiError(400, f"invalid sampling parameters: {e}") from None
+        raise ApiError(f"invalid sampling parameters: {e}") from None
     return params
+
+
+def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
+    """The prompts and SamplingParams of a /generate or /rollout body (whose other fields are
+    REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that submit() reads."""
+    check_serving(app)
+    prompts = parse_prompts(body, app[STATE])
+    params = parse_sampling(body, app[STATE], extra=(*REQUEST_FIELDS, *extra))
+    checked_field(body, "priority", int, 0)
+    checked_field(body, "min_version", int, 0)
+    checked_field(body, "keep_result", bool, False)
+    return prompts, params
 
 
 def args_key(body) -> str:
@@ -185,44 +214,47 @@ def check_room(app, count=1):
     """429 unless `count` more requests fit under --max-pending. Work is checked before it is
     submitted, all of a call's requests at once: a call is taken whole or not at all. (A weight
     update, once announced, is never refused for room.)"""
-    if len(app[STATE].tasks) + count > app[STATE].opts.max_pending:
-        raise ApiError(429, f"{len(app[STATE].tasks)} results wait unfetched (--max-pending)")
+    if len(app[STATE].tasks) + count > app[STATE].flags.max_pending:
+        raise ApiError(f"{len(app[STATE].tasks)} results wait unfetched (--max-pending)", 429)
 
 
 def submit(app, body, work) -> str:
-    """Start `work` (a coroutine or task) under a new id, remembering its arguments. Once it is
-    done, its result waits --result-ttl seconds to be fetched, then it is dropped; with
-    "keep_result" in the body, until it is fetched or aborted (a trainer's queued step)."""
+    """Start `work` (a coroutine function) under a new id once weights body["min_version"] are
+    loaded (run_at_version), remembering its arguments. Once it is done, its result waits
+    --result-ttl seconds to be fetched, then it is dropped; with "keep_result" in the body, until
+    it is fetched or aborted (a trainer's queued step)."""
     state = app[STATE]
-    request_id, task = uuid.uuid4().hex, asyncio.ensure_future(work)
+    request_id = uuid.uuid4().hex
+    task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work))
     state.tasks[request_id] = (task, args_key(body))
     if not body.get("keep_result"):
         task.add_done_callback(
             lambda _: asyncio.get_running_loop().call_later(
-                state.opts.result_ttl, expire, app, request_id
+                state.flags.result_ttl, expire, app, request_id
             )
         )
     return request_id
 
 
-def claim(app, body) -> str | None:
+def find_identical(app, body) -> str | None:
     """The oldest request with the identical arguments that no other caller is waiting for, so
     that identical requests are fetched once each."""
-    state, key = app[STATE], args_key(body)
+    state = app[STATE]
+    key = args_key(body)
     return next(
         (i for i, (_, k) in state.tasks.items() if k == key and i not in state.waiting), None
     )
 
 
-def forget(app, request_id) -> asyncio.Task:
+def drop_request(app, request_id) -> asyncio.Task:
     """Drop a request (fetched, aborted or expired); returns its task."""
     return app[STATE].tasks.pop(request_id)[0]
 
 
 def expire(app, request_id):
     if request_id in app[STATE].tasks:
-        forget(app, request_id)
-        app[METRICS]["expired"].inc()
+        drop_request(app, request_id)
+        EXPIRED_RESULTS.inc()
 
 
 # -- routes ----------------------------------------------------------------------------------------
@@ -237,13 +269,13 @@ async def health(request):
             "version": engine.version,
             "in_flight": engine.in_flight,
             "pending_results": len(state.tasks),
-            "group_port": state.opts.group_port,
+            "group_port": state.flags.group_port,
             "workers": state.workers,
             "gpus": state.gpus,
             "dtype": state.dtype,
             "transport": state.transport,
             "max_num_seqs": engine.max_num_seqs,
-            "max_model_len": state.opts.max_model_len,
+            "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
         },
@@ -253,14 +285,14 @@ async def health(request):
 
 def check_serving(app):
     if app[ENGINE].error:
-        raise ApiError(503, f"engine unusable: {app[ENGINE].error}")
+        raise ApiError(f"engine unusable: {app[ENGINE].error}", 503)
 
 
-async def when_ready(app, min_version, work):
+async def run_at_version(app, min_version, work):
     """Run `work` (a coroutine function) once weights `min_version` are loaded; the result carries
     when it was queued, started and finished (the server's time.time()), to measure the overlap."""
     queued = time.time()
-    await app[ENGINE].wait_for_version(min_version, app[STATE].opts.result_ttl)
+    await app[ENGINE].wait_for_version(min_version, app[STATE].flags.result_ttl)
     started = time.time()
     result = await work()
     return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}
@@ -269,8 +301,8 @@ async def when_ready(app, min_version, work):
 async def counted_generate(app, prompts, params, priority=0):
     """engine.generate, counted in /metrics."""
     results = await app[ENGINE].generate(prompts, params, priority)
-    app[METRICS]["requests"].inc()
-    app[METRICS]["tokens"].inc(sum(len(c.token_ids) for r in results for c in r))
+    REQUESTS.inc()
+    COMPLETION_TOKENS.inc(sum(len(c.token_ids) for r in results for c in r))
     return results
 
 
@@ -281,94 +313,86 @@ async def run_generate(app, prompts, params, priority):
 
 
 async def generate(request):
-    check_serving(request.app)
     app, body = request.app, await read_json(request)
-    prompts, params = (
-        parse_prompts(body, app[STATE]),
-        parse_sampling(body, app[STATE], extra=("min_version", "split_prompts")),
-    )
-    priority, min_version, split = (
-        get(body, "priority", int, 0),
-        get(body, "min_version", int, 0),
-        get(body, "split_prompts", bool, False),
-    )
+    prompts, params = parse_request(app, body, extra=("split_prompts",))
+    priority = body.get("priority", 0)
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
+    split = checked_field(body, "split_prompts", bool, False)
     groups = [[p] for p in prompts] if split else [prompts]
     check_room(app, len(groups))
     ids = [
         submit(
             app,
-            {**body, "prompts": ps} if split else body,
-            when_ready(app, min_version, lambda ps=ps: run_generate(app, ps, params, priority)),
+            {**body, "prompts": group} if split else body,
+            lambda group=group: run_generate(app, group, params, priority),
         )
-        for ps in groups
+        for group in groups
     ]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
 async def run_rollout(app, prompts, params, *options):
     episodes = await app[ROLLOUT].rollout(prompts, params, *options)
-    app[METRICS]["requests"].inc()
-    app[METRICS]["tokens"].inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
+    REQUESTS.inc()
+    COMPLETION_TOKENS.inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
     return {"episodes": [[vars(e) for e in per_prompt] for per_prompt in episodes]}
 
 
 async def rollout(request):
-    check_serving(request.app)
+    """Multi-turn tool episodes (RolloutEngine.rollout). A null option takes its default: every
+    registered tool, RolloutEngine's call tags."""
     app, body = request.app, await read_json(request)
-    prompts, state = parse_prompts(body, app[STATE]), app[STATE]
-    params = parse_sampling(
-        body,
-        state,
-        extra=("tools", "max_turns", "max_episode_tokens", "call_start", "call_end", "min_version"),
+    prompts, params = parse_request(app, body, extra=ROLLOUT_FIELDS)
+    rollouts = app[ROLLOUT]
+    options = {k: v for k, v in body.items() if v is not None}
+    max_turns = checked_field(options, "max_turns", int, 4, 1, 100)
+    budget = checked_field(
+        options, "max_episode_tokens", int, 256, 1, app[STATE].flags.max_model_len
     )
-    min_version, max_turns = (
-        get(body, "min_version", int, 0),
-        get(body, "max_turns", int, 4, 1, 100),
-    )
-    budget = get(body, "max_episode_tokens", int, 256, 1, state.opts.max_model_len)
-    if (tools := body.get("tools")) is not None and not set(get(body, "tools", [str])) <= set(
-        app[ROLLOUT].tool_names
-    ):
-        raise ApiError(
-            400, f"'tools' must be a list of registered tool names: {app[ROLLOUT].tool_names}"
-        )
-    # None: the defaults
-    tags = [
-        get(body, n, str) if body.get(n) is not None else None for n in ("call_start", "call_end")
-    ]
-    if "" in tags:
-        raise ApiError(400, "'call_start' and 'call_end' must be non-empty strings")
+    tools = checked_field(options, "tools", [str], rollouts.tool_names)
+    if not set(tools) <= set(rollouts.tool_names):
+        raise ApiError(f"'tools' must be a list of registered tool names: {rollouts.tool_names}")
+    call_start = checked_field(options, "call_start", str, rollouts.call_start)
+    call_end = checked_field(options, "call_end", str, rollouts.call_end)
+    if not call_start or not call_end:
+        raise ApiError("'call_start' and 'call_end' must be non-empty strings")
     check_room(app)
-    work = when_ready(
-        app, min_version, lambda: run_rollout(app, prompts, params, max_turns, budget, tools, *tags)
+    request_id = submit(
+        app,
+        body,
+        lambda: run_rollout(app, prompts, params, max_turns, budget, tools, call_start, call_end),
     )
-    return web.json_response({"request_id": submit(app, body, work)}, status=202)
+    return web.json_response({"request_id": request_id}, status=202)
 
 
 def requested_ids(app, body) -> list:
     """The ids a /get_future body asks for that the server holds: `request_ids`, `request_id`, or
     the oldest request with the identical arguments."""
     if "request_ids" in body:
-        ids = get(body, "request_ids", [str])
+        ids = checked_field(body, "request_ids", [str])
         if len(set(ids)) < len(ids):
-            raise ApiError(400, "'request_ids' lists a request twice")
+            raise ApiError("'request_ids' lists a request twice")
+    elif "request_id" in body:
+        ids = [checked_field(body, "request_id", str)]
     else:
-        ids = [get(body, "request_id", str) if "request_id" in body else claim(app, body)]
+        ids = [find_identical(app, body)]
     ids = [i for i in ids if i in app[STATE].tasks]
     if not ids:
-        raise ApiError(404, "no such request: unknown, fetched, aborted or expired")
+        raise ApiError("no such request: unknown, fetched, aborted or expired", 404)
     if not app[STATE].waiting.isdisjoint(ids):
-        raise ApiError(409, "another /get_future call is already waiting for this request")
+        raise ApiError("another /get_future call is already waiting for this request", 409)
     return ids
 
 
 async def get_future(request):
     """The result of `request_id`, or of the oldest request with the identical arguments, or
     {"results": [...]} of all of `request_ids` that are done once one is (the trainer takes groups
-    in the order they finish); waiting at most `timeout` s."""
+    in the order they finish); waiting at most `timeout` s. A failed request is answered alone
+    (the others that are done stay to be fetched): 404 if it was aborted (perhaps by /abort while
+    we waited), 422 if the engine refused it (e.g. a prompt longer than --max-model-len), 503 with
+    the cause if the engine died."""
     body, state = await read_json(request), request.app[STATE]
-    timeout = get(body, "timeout", float, 60, 0, 3600, " seconds")
+    timeout = checked_field(body, "timeout", float, 60, 0, 3600, " seconds")
     ids = requested_ids(request.app, body)
     tasks = {i: state.tasks[i][0] for i in ids}
     # nothing awaited between the check in requested_ids and this
@@ -381,86 +405,78 @@ async def get_future(request):
         state.waiting.difference_update(ids)
     if not done:
         raise ApiError(
-            408,
             f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again",
+            408,
         )
     finished = [i for i, task in tasks.items() if task in done]
-    for i in finished:  # a failure is answered alone; the others stay to be fetched
-        if tasks[i].cancelled() or tasks[i].exception():
-            # aborted (perhaps by /abort while we waited), or the engine refused it (e.g. a prompt
-            # longer than --max-model-len)
+    for i in finished:
+        task = tasks[i]
+        if task.cancelled() or task.exception():
             state.tasks.pop(i, None)
-            if tasks[i].cancelled():
-                raise ApiError(404, f"request {i} was aborted")
+            if task.cancelled():
+                raise ApiError(f"request {i} was aborted", 404)
             # a dead engine: its cause, rather than vLLM's "see stack trace (above)"
             error = request.app[ENGINE].error
             raise ApiError(
-                503 if error else 422, f"request {i} failed: {error or tasks[i].exception()}"
+                f"request {i} failed: {error or task.exception()}", 503 if error else 422
             )
-    results = [{"request_id": i, **forget(request.app, i).result()} for i in finished]
+    results = [{"request_id": i, **drop_request(request.app, i).result()} for i in finished]
     # by request_ids: every one of them that is done, in one answer (fewer round trips)
     return web.json_response({"results": results} if "request_ids" in body else results[0])
 
 
 async def abort(request):
     """Cancel a request (its prompts stop generating) and free it."""
-    request_id = get(await read_json(request), "request_id", str)
+    request_id = checked_field(await read_json(request), "request_id", str)
     if request_id not in request.app[STATE].tasks:
-        raise ApiError(404, f"no such request {request_id}")
-    forget(request.app, request_id).cancel()
+        raise ApiError(f"no such request {request_id}", 404)
+    drop_request(request.app, request_id).cancel()
     return web.json_response({"aborted": request_id})
 
 
 async def init_communicator(request):
     """The trainer chooses the transport; the workers follow. ipc: {transport, gpu (its UUID)};
     nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
-    body = await read_json(request)
-    engine, state = request.app[ENGINE], request.app[STATE]
-    transport, weight_sync_timeout, workers = (
-        body.get("transport", "gloo"),
-        state.opts.weight_sync_timeout,
-        state.workers,
-    )
-    if not isinstance(transport, str) or transport not in TRANSPORTS:
-        raise ApiError(400, f"'transport' must be one of {list(TRANSPORTS)}")
+    body, state = await read_json(request), request.app[STATE]
+    transport = body.get("transport", "gloo")
+    workers = state.workers
+    if transport not in TRANSPORTS:
+        raise ApiError(f"'transport' must be one of {list(TRANSPORTS)}")
     if transport != "gloo" and not any(state.gpus):
         raise ApiError(
-            400, f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo"
+            f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo"
         )
-    if transport == "ipc":
-        if get(body, "gpu", str) not in state.gpus or workers != 1:
-            raise ApiError(
-                400,
-                f"ipc needs the trainer on the GPU of a one-GPU server; "
-                f"the server's are {state.gpus}, the trainer's is {body['gpu']}: use nccl",
-            )
-        host, world_size = None, None
-    else:
-        host, world_size = get(body, "host", str), get(body, "world_size", int)
+    if transport == "ipc" and (body.get("gpu") not in state.gpus or workers != 1):
+        raise ApiError(
+            f"ipc needs the trainer on the GPU of a one-GPU server; "
+            f"the server's are {state.gpus}, the trainer's is {body.get('gpu')}: use nccl",
+        )
+    # ipc needs no group
+    host = None
+    world_size = None
+    if transport != "ipc":
+        host = checked_field(body, "host", str)
+        world_size = checked_field(body, "world_size", int)
         if world_size != 1 + workers:
             raise ApiError(
-                400, f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}"
+                f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}"
             )
+    port = state.flags.group_port
+    timeout = state.flags.weight_sync_timeout
     try:
-        await engine.rpc(
-            "init_communicator",
-            transport,
-            host,
-            state.opts.group_port,
-            world_size,
-            weight_sync_timeout,
-            timeout=weight_sync_timeout + 10,
+        await request.app[ENGINE].rpc(
+            "init_communicator", transport, host, port, world_size, timeout, timeout=timeout + 10
         )
     except Exception as e:
         raise ApiError(
-            504,
-            f"could not set up {transport} weight sync "
-            f"(group at {host}:{state.opts.group_port}): {e!r}",
+            f"could not set up {transport} weight sync (group at {host}:{port}): {e!r}", 504
         ) from None
     state.transport = transport
     return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
 
 
+# the fields of a CUDA IPC handle, as client.share_cuda writes them (plain JSON: the server never
+# unpickles what arrives over HTTP)
 IPC_HANDLE = {
     "offset": int,
     "device": int,
@@ -473,74 +489,68 @@ IPC_HANDLE = {
     "event_sync": bool,
     "gpu": str,
 }
+PARAM_FIELDS = {"name", "dtype", "shape", "offset"}
 
 
-def check_buckets(buckets, spec, dtype, transport):
-    """Reject an update announcement before anything is received or loaded."""
-    if not isinstance(buckets, list) or not buckets:
-        raise ApiError(400, "'buckets' must be a non-empty list of {size, params}")
+def check_buckets(body, state) -> list:
+    """The body's `buckets`, or a 400 before anything is received or loaded: every parameter of
+    the server's once (vLLM reloads whole fused layers: a partial update would load garbage), by
+    its name, shape and dtype, at 16-byte aligned offsets that neither overlap nor leave their
+    bucket; with ipc, each bucket with its handle (check_handle)."""
+    buckets = checked_field(body, "buckets", [dict])
+    if not buckets:
+        raise ApiError("'buckets' must be a non-empty list of {size, params}")
+    spec = state.weight_spec
     seen = set()
-    for b in buckets:
-        if (
-            not isinstance(b, dict)
-            or not isinstance(b.get("size"), int)
-            or not isinstance(b.get("params"), list)
-        ):
-            raise ApiError(
-                400, "each bucket must be {size: int, params: [{name, dtype, shape, offset}]}"
-            )
-        end = 0  # tensors lie in the bucket in order, without overlapping
-        for p in b["params"]:
-            if (
-                not isinstance(p, dict)
-                or set(p) != {"name", "dtype", "shape", "offset"}
-                or not isinstance(p["name"], str)
-            ):
-                raise ApiError(400, "each param must be {name: str, dtype, shape, offset}")
-            name = p["name"]
+    for bucket in buckets:
+        size = checked_field(bucket, "size", int)
+        end = 0
+        for param in checked_field(bucket, "params", [dict]):
+            if set(param) != PARAM_FIELDS:
+                raise ApiError("each param must be {name: str, dtype, shape, offset: int}")
+            name = checked_field(param, "name", str)
             if name not in spec or name in seen:
                 raise ApiError(
-                    400, f"{'unknown' if name not in spec else 'repeated'} parameter '{name}'"
+                    f"{'unknown' if name not in spec else 'repeated'} parameter '{name}'"
                 )
             seen.add(name)
-            if p["shape"] != spec[name] or p["dtype"] != dtype:
+            if param["shape"] != spec[name] or param["dtype"] != state.dtype:
                 raise ApiError(
-                    400,
-                    f"'{name}' has shape {p['shape']} and dtype {p['dtype']}; "
-                    f"the server's are {spec[name]} and {dtype}",
+                    f"'{name}' has shape {param['shape']} and dtype {param['dtype']}; "
+                    f"the server's are {spec[name]} and {state.dtype}",
                 )
-            nbytes = DTYPES[dtype].itemsize * math.prod(p["shape"])
-            if (
-                not isinstance(p["offset"], int)
-                or p["offset"] < end
-                or p["offset"] % 16
-                or p["offset"] + nbytes > b["size"]
-            ):
+            offset = checked_field(param, "offset", int)
+            nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
+            if offset < end or offset % 16 or offset + nbytes > size:
                 raise ApiError(
-                    400,
-                    f"'{name}' at offset {p['offset']} overlaps or does not fit "
-                    f"its bucket of {b['size']} bytes",
+                    f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not "
+                    f"fit its bucket of {size} bytes",
                 )
-            end = p["offset"] + nbytes
-        handle = b.get("handle")
-        if (
-            (handle is not None) != (transport == "ipc")
-            or handle is not None
-            and (
-                not isinstance(handle, dict)
-                or set(handle) != set(IPC_HANDLE)
-                or not all(isinstance(handle[k], kind) for k, kind in IPC_HANDLE.items())
-            )
-        ):
-            raise ApiError(
-                400,
-                f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} "
-                "as client.share_cuda makes it; with nccl and gloo none",
-            )
-    # vLLM reloads whole (fused) layers: a partial update would load garbage
-    if missing := sorted(set(spec) - seen):
+            end = offset + nbytes
+        check_handle(bucket.get("handle"), state.transport)
+    missing = sorted(set(spec) - seen)
+    if missing:
         raise ApiError(
-            400, f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}"
+            f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}"
+        )
+    return buckets
+
+
+def check_handle(handle, transport):
+    """With ipc a bucket carries the handle of the trainer's buffer (IPC_HANDLE); with nccl and
+    gloo none."""
+    if transport == "ipc":
+        well_formed = (
+            isinstance(handle, dict)
+            and set(handle) == set(IPC_HANDLE)
+            and all(isinstance(handle[k], t) for k, t in IPC_HANDLE.items())
+        )
+    else:
+        well_formed = handle is None
+    if not well_formed:
+        raise ApiError(
+            f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} "
+            "as client.share_cuda makes it; with nccl and gloo none",
         )
 
 
@@ -557,22 +567,23 @@ async def update_weights(request):
     --drain-timeout (nothing was sent: try again)."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
-    check_buckets(body.get("buckets"), state.weight_spec, state.dtype, state.transport)
+    buckets = check_buckets(body, state)
     mode = body.get("mode", "drain")
     if mode not in ("drain", "in-flight"):
-        raise ApiError(400, "'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
+        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
     # the version the new weights get, if higher than the next one: a trainer keeps several
     # servers on one numbering, one of them restarted (its count began again at 0)
-    version = get(body, "version", int, 0, 0, 2**53)
+    version = checked_field(body, "version", int, 0, 0, 2**53)
     if not state.transport:
-        raise ApiError(409, "no weight sync set up: call /init_communicator first")
-    ready = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(run_update(request.app, body["buckets"], mode, ready, version))
-    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
+        raise ApiError("no weight sync set up: call /init_communicator first", 409)
+    # resolved by the engine once the workers are told to receive
+    receiving = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(run_update(request.app, buckets, mode, receiving, version))
+    await asyncio.wait([receiving, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
-    if not ready.done():
+    if not receiving.done():
         raise ApiError(
-            503, f"weight update refused, version {engine.version} kept: {task.exception()}"
+            f"weight update refused, version {engine.version} kept: {task.exception()}", 503
         )
     answer = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await answer.prepare(request)
@@ -587,24 +598,26 @@ async def update_weights(request):
     return answer
 
 
-async def run_update(app, buckets, mode, ready, version):
-    engine, state, opts, start = app[ENGINE], app[STATE], app[STATE].opts, time.perf_counter()
+async def run_update(app, buckets, mode, receiving, version):
+    engine = app[ENGINE]
+    flags = app[STATE].flags
+    start = time.perf_counter()
     try:
         version, timings = await engine.update_weights(
-            buckets, ready, mode, opts.weight_sync_timeout, opts.drain_timeout, version
+            buckets, receiving, mode, flags.weight_sync_timeout, flags.drain_timeout, version
         )
     except Exception as e:
         if engine.error:
             raise RuntimeError(f"weight update failed; the server exits: {engine.error}") from None
-        if not ready.done():
+        if not receiving.done():
             raise
-        state.transport = None  # the workers left the group
+        # the workers left the group
+        app[STATE].transport = None
         raise RuntimeError(
             f"weight update failed, version {engine.version} kept: {e!r}; "
             "call /init_communicator again"
         ) from None
-    app[METRICS]["sync_seconds"].observe(time.perf_counter() - start)
-    app[METRICS]["version"].set(version)
+    SYNC_SECONDS.observe(time.perf_counter() - start)
     return {"version": version, **timings}
 
 
@@ -612,13 +625,6 @@ async def close_communicator(request):
     await request.app[ENGINE].rpc("close_communicator")
     request.app[STATE].transport = None
     return web.json_response({"status": "closed"})
-
-
-async def metrics(request):
-    return web.Response(
-        body=prom.generate_latest(request.app[METRICS]["registry"]),
-        headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
-    )
 
 
 # -- the OpenAI-compatible face: /v1/models, /v1/completions, /v1/chat/completions,
@@ -648,68 +654,69 @@ OPENAI_OTHER = {
 
 
 async def models(request):
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {"id": request.app[ENGINE].args.model, "object": "model", "owned_by": "async-grpo"}
-            ],
-        }
-    )
+    model = {"id": request.app[ENGINE].args.model, "object": "model", "owned_by": "async-grpo"}
+    return web.json_response({"object": "list", "data": [model]})
 
 
 def chat_prompt(engine, body) -> list[int]:
     """The token ids of the body's `messages` under the model's chat template, or a 400."""
-    messages = get(body, "messages", [dict])
+    messages = checked_field(body, "messages", [dict])
     if not messages or not all(
         isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        raise ApiError(
-            400, "'messages' must be a non-empty list of {role, content} with string content"
-        )
+        raise ApiError("'messages' must be a non-empty list of {role, content} with string content")
     try:
         text = engine.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
     except Exception as e:  # no template, or one that refuses these roles
-        raise ApiError(
-            400, f"the model's chat template cannot render these messages: {e}"
-        ) from None
+        raise ApiError(f"the model's chat template cannot render these messages: {e}") from None
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-async def openai_completion(request):
-    """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes."""
-    check_serving(request.app)
-    body, state, engine = await read_json(request), request.app[STATE], request.app[ENGINE]
-    chat = request.path.endswith("chat/completions")
-    if unknown := sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER):
-        raise ApiError(400, f"unsupported fields {unknown}")
+def openai_request(engine, state, body, chat) -> tuple[list[int], SamplingParams, bool]:
+    """The prompt's token ids, the SamplingParams and whether to answer with logprobs, of a
+    /v1/completions (`chat` False) or /v1/chat/completions body; or a 4xx."""
+    unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
+    if unknown:
+        raise ApiError(f"unsupported fields {unknown}")
     if body.get("model") != engine.args.model:
         raise ApiError(
-            404,
             f"model {body.get('model')!r} does not exist; "
             f"this server serves {engine.args.model!r} (see /v1/models)",
+            404,
         )
     if chat:
         prompt = chat_prompt(engine, body)
+        logprobs = checked_field(body, "logprobs", bool, False)
+        top = checked_field(body, "top_logprobs", int, 0, 0, 20)
+        # as long as the model allows
+        max_tokens = max(1, state.flags.max_model_len - len(prompt))
     else:
         # one prompt: a string or token ids
         [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)
         prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        # completions: logprobs is the number of alternatives
+        top = checked_field(body, "logprobs", int, 0, 0, 20)
+        logprobs = top > 0
+        max_tokens = 16
     fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
-    # chat: as long as the model allows
-    default_max_tokens = max(1, state.opts.max_model_len - len(prompt)) if chat else 16
-    max_tokens = fields.get("max_tokens", default_max_tokens)
-    fields["max_tokens"] = body.get("max_completion_tokens", max_tokens)
-    # OpenAI's clients may send null for "not set"
-    given = {k: v for k, v in body.items() if v is not None}
-    # chat: a flag; completions: the k
-    logprobs = get(given, "logprobs", bool if chat else int, False if chat else 0)
-    top = get(given if chat else {"top_logprobs": logprobs}, "top_logprobs", int, 0, 0, 20)
+    fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
     params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
-    stream = get(body, "stream", bool, False)
-    session_id, completions = request.headers.get("X-Session-ID"), []
+    return prompt, params, logprobs
+
+
+async def openai_completion(request):
+    """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes. A null
+    field is one not set, as OpenAI's clients may send it."""
+    check_serving(request.app)
+    state, engine = request.app[STATE], request.app[ENGINE]
+    body = {k: v for k, v in (await read_json(request)).items() if v is not None}
+    chat = request.path.endswith("chat/completions")
+    prompt, params, logprobs = openai_request(engine, state, body, chat)
+    stream = checked_field(body, "stream", bool, False)
+    session_id = request.headers.get("X-Session-ID")
+    completions = []
     # room for every choice, each recorded with its prompt
     reserved = params.n * (len(prompt) + params.max_tokens)
     recording = open_session(request.app, session_id, reserved) if session_id else None
@@ -718,13 +725,13 @@ async def openai_completion(request):
     except Exception as e:  # the engine refused it (e.g. a prompt longer than --max-model-len)
         error = engine.error
         raise ApiError(
-            503 if error else 400, f"the engine refused the request: {error or e}"
+            f"the engine refused the request: {error or e}", 503 if error else 400
         ) from None
     finally:
         # a session's calls are recorded in the order they finish; a failed call frees its room
         if recording:
             record(recording, prompt, completions, reserved)
-    answer = openai_answer(engine, chat, prompt, completions, bool(logprobs), top)
+    answer = openai_answer(engine, chat, prompt, completions, logprobs)
     return openai_events(answer, chat) if stream else web.json_response(answer)
 
 
@@ -746,43 +753,21 @@ def openai_events(answer, chat):
     )
 
 
-def openai_answer(engine, chat, prompt, completions, logprobs, top):
-    decode = lambda ids: [engine.tokenizer.decode([t]) for t in ids]  # noqa: E731
+def openai_answer(engine, chat, prompt, completions, logprobs):
+    """OpenAI's answer, plus prompt_token_ids and, per choice, token_ids and weight_version."""
     choices = []
     for i, c in enumerate(completions):
-        tokens, alternatives = decode(c.token_ids), c.top_logprobs or [[] for _ in c.token_ids]
         choice = {
             "index": i,
             "finish_reason": c.finish_reason,
             "token_ids": c.token_ids,
             "weight_version": c.version,
+            "logprobs": openai_logprobs(engine, c, chat) if logprobs else None,
         }
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
-            choice["logprobs"] = (
-                {
-                    "content": [
-                        {"token": t, "logprob": lp, "top_logprobs": alt}
-                        for t, lp, alt in zip(tokens, c.logprobs, alternatives)
-                    ]
-                }
-                if logprobs
-                else None
-            )
         else:
             choice["text"] = c.text
-            choice["logprobs"] = (
-                {
-                    "tokens": tokens,
-                    "token_logprobs": c.logprobs,
-                    "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1],
-                    "top_logprobs": [
-                        {a["token"]: a["logprob"] for a in alt} for alt in alternatives
-                    ],
-                }
-                if logprobs
-                else None
-            )
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     return {
@@ -801,25 +786,44 @@ def openai_answer(engine, chat, prompt, completions, logprobs, top):
     }
 
 
+def openai_logprobs(engine, completion, chat) -> dict:
+    """A choice's `logprobs` in OpenAI's shape: chat's per-token list, or completions' columns."""
+    tokens = [engine.tokenizer.decode([t]) for t in completion.token_ids]
+    alternatives = completion.top_logprobs or [[] for _ in tokens]
+    if chat:
+        content = zip(tokens, completion.logprobs, alternatives)
+        return {
+            "content": [{"token": t, "logprob": lp, "top_logprobs": alt} for t, lp, alt in content]
+        }
+    return {
+        "tokens": tokens,
+        "token_logprobs": completion.logprobs,
+        "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in alt} for alt in alternatives],
+    }
+
+
 def open_session(app, session_id, reserve):
     """The X-Session-ID session (made if new) with room reserved for `reserve` more tokens, or a
     429: at most --max-pending sessions, --max-session-tokens in one, --max-total-session-tokens in
     all. Nothing is awaited between the checks and the reservation, so concurrent calls cannot
     pass a bound together."""
-    state, opts, now = app[STATE], app[STATE].opts, time.monotonic()
+    state = app[STATE]
+    flags = state.flags
+    now = time.monotonic()
     expire_sessions(state)
     session = state.sessions.get(session_id, {"calls": [], "tokens": 0, "started": now})
     total = sum(s["tokens"] for s in state.sessions.values())
     if (
-        (session_id not in state.sessions and len(state.sessions) >= opts.max_pending)
-        or session["tokens"] + reserve > opts.max_session_tokens
-        or total + reserve > opts.max_total_session_tokens
+        (session_id not in state.sessions and len(state.sessions) >= flags.max_pending)
+        or session["tokens"] + reserve > flags.max_session_tokens
+        or total + reserve > flags.max_total_session_tokens
     ):
         raise ApiError(
-            429,
             f"{len(state.sessions)} sessions are open (--max-pending) holding {total} tokens "
             f"(--max-total-session-tokens); session {session_id!r} holds {session['tokens']} "
             f"(--max-session-tokens), and this call may add {reserve}: delete some",
+            429,
         )
     session["tokens"] += reserve
     session["used"] = now
@@ -829,9 +833,12 @@ def open_session(app, session_id, reserve):
 
 def expire_sessions(state):
     """Drop the sessions unused for --result-ttl s, or begun --max-session-age s ago."""
-    now, opts = time.monotonic(), state.opts
+    now = time.monotonic()
     for session_id, s in list(state.sessions.items()):
-        if min(s["used"] + opts.result_ttl, s["started"] + opts.max_session_age) < now:
+        if (
+            min(s["used"] + state.flags.result_ttl, s["started"] + state.flags.max_session_age)
+            < now
+        ):
             del state.sessions[session_id]
 
 
@@ -852,14 +859,13 @@ def record(session, prompt, completions, reserved):
     session["used"] = time.monotonic()
 
 
-def merge(calls):
+def merge(calls) -> tuple[Episode | None, str | None]:
     """One episode from a session's calls, if each call's prompt continues the previous call's
     prompt and completion token for token (else None and why): the tokens between are prompt (a
-    tool's output, the chat template's), the completions are sampled; the shape of a /rollout
-    episode."""
+    tool's output, the chat template's), the completions are sampled; a /rollout episode."""
     if not calls:
         return None, "no call of this session has finished yet"
-    ids, mask, logprobs, turns = [], [], [], []
+    ids, mask, logprobs = [], [], []
     for i, call in enumerate(calls):
         prompt, sampled = call["prompt_token_ids"], call["completion_token_ids"]
         if prompt[: len(ids)] != ids:
@@ -871,50 +877,38 @@ def merge(calls):
         ids = ids + new + sampled
         mask = mask + [0] * len(new) + [1] * len(sampled)
         logprobs = logprobs + [None] * len(new) + call["logprobs"]
-        turns.append(
-            {
-                "text": call["text"],
-                "version": call["weight_version"],
-                "finish_reason": call["finish_reason"],
-            }
-        )
-    return {
-        "token_ids": ids,
-        "loss_mask": mask,
-        "logprobs": logprobs,
-        "turns": turns,
-        "tool_calls": [],
-        "finish_reason": turns[-1]["finish_reason"],
-    }, None
+    turns = [
+        {"text": c["text"], "version": c["weight_version"], "finish_reason": c["finish_reason"]}
+        for c in calls
+    ]
+    return Episode(ids, mask, logprobs, turns, [], turns[-1]["finish_reason"]), None
 
 
 async def session(request):
-    sessions, session_id = request.app[STATE].sessions, request.match_info["session_id"]
-    expire_sessions(request.app[STATE])
-    if session_id not in sessions:
-        raise ApiError(404, f"no session {session_id!r} (never used, deleted or expired)")
+    state = request.app[STATE]
+    session_id = request.match_info["session_id"]
+    expire_sessions(state)
+    if session_id not in state.sessions:
+        raise ApiError(f"no session {session_id!r} (never used, deleted or expired)", 404)
     if request.method == "DELETE":
-        sessions.pop(session_id)
+        state.sessions.pop(session_id)
         return web.json_response({"deleted": session_id})
-    episode, reason = merge(calls := sessions[session_id]["calls"])
+    calls = state.sessions[session_id]["calls"]
+    episode, reason = merge(calls)
+    episode = vars(episode) if episode else None
     return web.json_response({"calls": calls, "episode": episode, "reason": reason})
 
 
 # -- the app ---------------------------------------------------------------------------------------
 @web.middleware
 async def errors(request, handler):
-    """Every error, ours and aiohttp's (413 too large, 405, 404 route), as JSON {"error": message};
-    on the /v1 routes in OpenAI's shape, {"error": {"message", "type", "param", "code"}}."""
+    """Every error, ours and aiohttp's (413 too large, 405, 404 route), as JSON {"error": message},
+    the message being the exception's text (aiohttp's own: e.g. "405: Method Not Allowed"); on the
+    /v1 routes in OpenAI's shape, {"error": {"message", "type", "param", "code"}}."""
     try:
         return await handler(request)
     except web.HTTPException as e:
-        message = (
-            e.message
-            if isinstance(e, ApiError)
-            else e.reason
-            if not e.text or e.text.startswith(str(e.status))
-            else e.text
-        )
+        message = e.text
         if request.path.startswith("/v1/"):
             message = {
                 "message": message,
@@ -930,7 +924,7 @@ async def errors(request, handler):
 @web.middleware
 async def check_key(request, handler):
     """With --api-key, every route but /health and /metrics needs `Authorization: Bearer <key>`."""
-    key = request.app[STATE].opts.api_key
+    key = request.app[STATE].flags.api_key
     # bytes: compare_digest refuses a str with non-ASCII characters (a 500, not a 401)
     sent = request.headers.get("Authorization", "").encode(errors="surrogateescape")
     if (
@@ -938,38 +932,8 @@ async def check_key(request, handler):
         and request.path not in ("/health", "/metrics")
         and not hmac.compare_digest(sent, f"Bearer {key}".encode())
     ):
-        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
     return await handler(request)
-
-
-def make_metrics():
-    registry = prom.CollectorRegistry()
-    return {
-        "registry": registry,
-        "requests": prom.Counter(
-            "asyncgrpo_requests", "Finished generate/rollout calls", registry=registry
-        ),
-        "tokens": prom.Counter(
-            "asyncgrpo_completion_tokens", "Completion tokens generated", registry=registry
-        ),
-        "in_flight": prom.Gauge(
-            "asyncgrpo_in_flight", "Prompts being generated", registry=registry
-        ),
-        "pending": prom.Gauge(
-            "asyncgrpo_pending_results", "Requests submitted and not yet fetched", registry=registry
-        ),
-        "expired": prom.Counter(
-            "asyncgrpo_expired_results",
-            "Results dropped unfetched after --result-ttl",
-            registry=registry,
-        ),
-        "version": prom.Gauge(
-            "asyncgrpo_weight_version", "Current weight version", registry=registry
-        ),
-        "sync_seconds": prom.Histogram(
-            "asyncgrpo_weight_sync_seconds", "Seconds per weight update", registry=registry
-        ),
-    }
 
 
 async def watch_engine(app):
@@ -980,35 +944,40 @@ async def watch_engine(app):
         await asyncio.sleep(1)
     print(f"engine failed: {app[ENGINE].error}; stopping the server", file=sys.stderr, flush=True)
     app[STATE].engine_died = True
-    os.kill(os.getpid(), signal.SIGTERM)  # aiohttp's run_app shuts down gracefully on SIGTERM
+    # aiohttp's run_app shuts down gracefully on SIGTERM
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
-def make_app(args, opts) -> web.Application:
-    """The server for AsyncEngineArgs `args` and flags `opts` (parse_args): the engine starts with
-    the app and stops with it."""
-    app = web.Application(client_max_size=opts.max_body_mb << 20, middlewares=[errors, check_key])
-    app[STATE] = state = State(opts)
-    app[METRICS] = make_metrics()
+def make_app(args, flags) -> web.Application:
+    """The server for AsyncEngineArgs `args` and the server's `flags` (parse_args): the engine
+    starts with the app and stops with it."""
+    app = web.Application(client_max_size=flags.max_body_mb << 20, middlewares=[errors, check_key])
+    state = State(flags)
+    app[STATE] = state
 
     async def engine_ctx(app):
-        app[ENGINE] = engine = Engine(args)
+        engine = Engine(args)
+        app[ENGINE] = engine
         try:
-            await engine.warm_up()  # /health answers only once the engine has generated
+            # /health answers only once the engine has generated
+            await engine.warm_up()
         except Exception as e:
             engine.llm.shutdown()
             sys.exit(f"error: the warm-up generation failed: {engine.error or repr(e)}")
         # the longest prompt + completion: --max-model-len, or what the engine derived
-        opts.max_model_len = engine.llm.model_config.max_model_len
+        flags.max_model_len = engine.llm.model_config.max_model_len
         # read when /metrics is scraped
-        app[METRICS]["in_flight"].set_function(lambda: engine.in_flight)
-        app[METRICS]["pending"].set_function(lambda: len(state.tasks))
+        IN_FLIGHT.set_function(lambda: engine.in_flight)
+        PENDING_RESULTS.set_function(lambda: len(state.tasks))
+        WEIGHT_VERSION.set_function(lambda: engine.version)
         state.vocab_size = engine.llm.model_config.get_vocab_size()
         state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
         state.workers = args.tensor_parallel_size * args.data_parallel_size
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
-        state.gpus = await engine.rpc("gpu_uuid")  # the workers' GPU UUIDs (None on CPU)
-        app[ROLLOUT] = RolloutEngine(engine, tool_timeout=opts.tool_timeout)
-        for command in opts.mcp_server:
+        # the workers' GPU UUIDs (None on CPU)
+        state.gpus = await engine.rpc("gpu_uuid")
+        app[ROLLOUT] = RolloutEngine(engine, tool_timeout=flags.tool_timeout)
+        for command in flags.mcp_server:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))
         watcher = asyncio.ensure_future(watch_engine(app))
         yield
@@ -1032,7 +1001,7 @@ ROUTES = [
     web.post("/init_communicator", init_communicator),
     web.post("/update_weights", update_weights),
     web.post("/close_communicator", close_communicator),
-    web.get("/metrics", metrics),
+    web.get("/metrics", make_aiohttp_handler()),
     web.get("/v1/models", models),
     web.post("/v1/completions", openai_completion),
     web.post("/v1/chat/completions", openai_completion),
@@ -1045,7 +1014,6 @@ def add_engine_flags(g):
     """The engine's flags, named as in `vllm serve`."""
     g.add_argument(
         "--model",
-        default=None,
         help="HF model folder or hub id (default: the built-in tiny model, built on first use)",
     )
     g.add_argument(
@@ -1066,16 +1034,10 @@ def add_engine_flags(g):
         help="fraction of GPU memory for vLLM (GPU only)",
     )
     g.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="KV cache size in bytes (default on CPU: 256 MiB)",
+        "--kv-cache-memory-bytes", type=int, help="KV cache size in bytes (default on CPU: 256 MiB)"
     )
     g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="most sequences decoded at once (vLLM's default if unset)",
+        "--max-num-seqs", type=int, help="most sequences decoded at once (vLLM's default if unset)"
     )
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
@@ -1191,23 +1153,25 @@ def parse_args(argv=None):
     add_limit_flags(p.add_argument_group("limits"))
     add_sync_flags(p.add_argument_group("weight sync"))
     add_tool_flags(p.add_argument_group("tools"))
-    a = p.parse_args(argv)
-    if tokenizer_missing(a.model):
-        p.error(tokenizer_missing(a.model))
-    if a.host not in LOOPBACK and not a.api_key:
+    flags = p.parse_args(argv)
+    if tokenizer_missing(flags.model):
+        p.error(tokenizer_missing(flags.model))
+    if flags.host not in LOOPBACK and not flags.api_key:
         p.error(
-            f"--host {a.host} exposes the server beyond this machine: "
+            f"--host {flags.host} exposes the server beyond this machine: "
             "set --api-key (or VLLM_API_KEY) so that nobody else can generate or push weights"
         )
-    return a
+    return flags
 
 
 def main(argv=None):
-    a = parse_args(argv)
+    flags = parse_args(argv)
     # named alike
-    engine_flags = {k: v for k, v in vars(a).items() if k in AsyncEngineArgs.__dataclass_fields__}
-    app = make_app(engine_args(**engine_flags | {"model": a.model or tiny_model()}), a)
-    web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    engine_flags = {
+        k: v for k, v in vars(flags).items() if k in AsyncEngineArgs.__dataclass_fields__
+    }
+    app = make_app(engine_args(**engine_flags | {"model": flags.model or tiny_model()}), flags)
+    web.run_app(app, host=flags.host, port=flags.port, print=lambda msg: print(msg, flush=True))
     if app[STATE].engine_died:
         sys.exit("the engine died; see the log above")
 
