@@ -150,7 +150,7 @@ def parse_prompts(body, state) -> list:
         if not prompt or not (isinstance(prompt, str) or is_token_ids(prompt, state.vocab_size)):
             raise ApiError(
                 f"each prompt must be a non-empty string or a list of token ids "
-                f"in [0, {state.vocab_size}); got {str(prompt)[:80]}",
+                f"in [0, {state.vocab_size}); got {str(prompt)[:80]}"
             )
     return prompts
 
@@ -179,7 +179,7 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
     if sequences > flags.max_request_seqs:
         raise ApiError(
             f"{sequences} sequences (prompts x n) in one request; "
-            f"at most {flags.max_request_seqs} (--max-request-seqs)",
+            f"at most {flags.max_request_seqs} (--max-request-seqs)"
         )
     try:
         params = SamplingParams(**fields)
@@ -404,10 +404,7 @@ async def get_future(request):
     finally:
         state.waiting.difference_update(ids)
     if not done:
-        raise ApiError(
-            f"request {ids[0] if len(ids) == 1 else ids} not finished after {timeout} s; ask again",
-            408,
-        )
+        raise ApiError(f"request {', '.join(ids)} not finished after {timeout} s; ask again", 408)
     finished = [i for i, task in tasks.items() if task in done]
     for i in finished:
         task = tasks[i]
@@ -449,7 +446,7 @@ async def init_communicator(request):
     if transport == "ipc" and (body.get("gpu") not in state.gpus or workers != 1):
         raise ApiError(
             f"ipc needs the trainer on the GPU of a one-GPU server; "
-            f"the server's are {state.gpus}, the trainer's is {body.get('gpu')}: use nccl",
+            f"the server's are {state.gpus}, the trainer's is {body.get('gpu')}: use nccl"
         )
     # ipc needs no group
     host = None
@@ -489,7 +486,6 @@ IPC_HANDLE = {
     "event_sync": bool,
     "gpu": str,
 }
-PARAM_FIELDS = {"name", "dtype", "shape", "offset"}
 
 
 def check_buckets(body, state) -> list:
@@ -506,25 +502,23 @@ def check_buckets(body, state) -> list:
         size = checked_field(bucket, "size", int)
         end = 0
         for param in checked_field(bucket, "params", [dict]):
-            if set(param) != PARAM_FIELDS:
-                raise ApiError("each param must be {name: str, dtype, shape, offset: int}")
             name = checked_field(param, "name", str)
             if name not in spec or name in seen:
                 raise ApiError(
                     f"{'unknown' if name not in spec else 'repeated'} parameter '{name}'"
                 )
             seen.add(name)
-            if param["shape"] != spec[name] or param["dtype"] != state.dtype:
+            if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
                 raise ApiError(
-                    f"'{name}' has shape {param['shape']} and dtype {param['dtype']}; "
-                    f"the server's are {spec[name]} and {state.dtype}",
+                    f"'{name}' has shape {param.get('shape')} and dtype {param.get('dtype')}; "
+                    f"the server's are {spec[name]} and {state.dtype}"
                 )
             offset = checked_field(param, "offset", int)
             nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
             if offset < end or offset % 16 or offset + nbytes > size:
                 raise ApiError(
                     f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not "
-                    f"fit its bucket of {size} bytes",
+                    f"fit its bucket of {size} bytes"
                 )
             end = offset + nbytes
         check_handle(bucket.get("handle"), state.transport)
@@ -550,7 +544,7 @@ def check_handle(handle, transport):
     if not well_formed:
         raise ApiError(
             f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} "
-            "as client.share_cuda makes it; with nccl and gloo none",
+            "as client.share_cuda makes it; with nccl and gloo none"
         )
 
 
@@ -1012,32 +1006,23 @@ ROUTES = [
 
 def add_engine_flags(g):
     """The engine's flags, named as in `vllm serve`."""
-    g.add_argument(
-        "--model",
-        help="HF model folder or hub id (default: the built-in tiny model, built on first use)",
-    )
-    g.add_argument(
-        "--dtype",
-        default="float32",
-        choices=sorted(DTYPES),
-        help="weight dtype; trainer updates must match it",
-    )
+    # the built-in tiny model is built on first use
+    g.add_argument("--model", help="HF model folder or hub id (default: the built-in tiny model)")
+    # the trainer's updates must come in this dtype
+    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype")
     # the model's own length, capped to what the KV cache holds (vLLM's log says so; /health and
     # every 400 for a too long request give the length in use)
     g.add_argument(
         "--max-model-len", type=int, help="longest prompt + completion (default: the model's own)"
     )
     g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for vLLM (GPU only)",
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for vLLM"
     )
     g.add_argument(
         "--kv-cache-memory-bytes", type=int, help="KV cache size in bytes (default on CPU: 256 MiB)"
     )
     g.add_argument(
-        "--max-num-seqs", type=int, help="most sequences decoded at once (vLLM's default if unset)"
+        "--max-num-seqs", type=int, help="most sequences decoded at once (vLLM's default)"
     )
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
@@ -1051,9 +1036,7 @@ def add_engine_flags(g):
 
 def add_http_flags(g):
     g.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (another than loopback needs --api-key)",
+        "--host", default="127.0.0.1", help="address to listen on (not loopback: needs --api-key)"
     )
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument(
@@ -1065,12 +1048,7 @@ def add_http_flags(g):
 
 def add_limit_flags(g):
     """Bounds on what callers may ask for and leave behind; beyond them a 400 or 429."""
-    g.add_argument(
-        "--max-n",
-        type=int,
-        default=256,
-        help="largest n (completions per prompt) a request may ask for",
-    )
+    g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt)")
     g.add_argument(
         "--max-request-seqs",
         type=int,
@@ -1078,16 +1056,13 @@ def add_limit_flags(g):
         help="most sequences (prompts x n) in one request",
     )
     g.add_argument(
-        "--max-pending",
-        type=int,
-        default=10000,
-        help="most requests submitted and not yet fetched; beyond it 429",
+        "--max-pending", type=int, default=10000, help="most requests submitted and not yet fetched"
     )
     g.add_argument(
         "--result-ttl",
         type=float,
         default=600.0,
-        help="seconds a finished result waits to be fetched before it is dropped",
+        help="seconds a finished result waits to be fetched",
     )
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
@@ -1106,24 +1081,21 @@ def add_limit_flags(g):
 
 def add_sync_flags(g):
     g.add_argument(
-        "--group-port",
-        type=int,
-        default=51216,
-        help="port of the trainer's weight-sync group (NCCL/gloo)",
+        "--group-port", type=int, default=51216, help="port of the trainer's weight-sync group"
     )
+    # on timeout the update fails and the old weights and version stay
     g.add_argument(
         "--weight-sync-timeout",
         type=float,
         default=60.0,
-        help="seconds to wait for the trainer while joining the group or receiving a bucket; "
-        "on timeout the update fails and the old weights and version stay",
+        help="seconds to wait for the trainer while joining the group or receiving a bucket",
     )
+    # then the update is refused (503) before anything is sent
     g.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
-        help="seconds an update waits for requests in flight to "
-        "finish; then it is refused (503) before anything is sent",
+        help="seconds an update waits for the requests in flight to finish",
     )
 
 
@@ -1136,12 +1108,8 @@ def add_tool_flags(g):
         help="an MCP server to start over stdio, whose tools /rollout may call "
         "(repeatable; 'calc' is built in), e.g. 'python tests/mcp_server.py'",
     )
-    g.add_argument(
-        "--tool-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a tool call may take before it answers with an error",
-    )
+    # a tool that takes longer answers with an error
+    g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
 
 
 def parse_args(argv=None):
