@@ -11,6 +11,7 @@ table lists every field. Every mistake of the caller is a 4xx with {"error": mes
 
 import argparse
 import asyncio
+import functools
 import hmac
 import itertools
 import json
@@ -320,14 +321,10 @@ async def generate(request):
     split = checked_field(body, "split_prompts", bool, False)
     groups = [[p] for p in prompts] if split else [prompts]
     check_room(app, len(groups))
-    ids = [
-        submit(
-            app,
-            {**body, "prompts": group} if split else body,
-            lambda group=group: run_generate(app, group, params, priority),
-        )
-        for group in groups
-    ]
+    ids = []
+    for group in groups:
+        work = functools.partial(run_generate, app, group, params, priority)
+        ids.append(submit(app, {**body, "prompts": group} if split else body, work))
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
@@ -344,24 +341,20 @@ async def rollout(request):
     app, body = request.app, await read_json(request)
     prompts, params = parse_request(app, body, extra=ROLLOUT_FIELDS)
     rollouts = app[ROLLOUT]
-    options = {k: v for k, v in body.items() if v is not None}
-    max_turns = checked_field(options, "max_turns", int, 4, 1, 100)
-    budget = checked_field(
-        options, "max_episode_tokens", int, 256, 1, app[STATE].flags.max_model_len
-    )
-    tools = checked_field(options, "tools", [str], rollouts.tool_names)
+    given = {k: v for k, v in body.items() if v is not None}
+    max_turns = checked_field(given, "max_turns", int, 4, 1, 100)
+    budget = checked_field(given, "max_episode_tokens", int, 256, 1, app[STATE].flags.max_model_len)
+    tools = checked_field(given, "tools", [str], rollouts.tool_names)
     if not set(tools) <= set(rollouts.tool_names):
         raise ApiError(f"'tools' must be a list of registered tool names: {rollouts.tool_names}")
-    call_start = checked_field(options, "call_start", str, rollouts.call_start)
-    call_end = checked_field(options, "call_end", str, rollouts.call_end)
+    call_start = checked_field(given, "call_start", str, rollouts.call_start)
+    call_end = checked_field(given, "call_end", str, rollouts.call_end)
     if not call_start or not call_end:
         raise ApiError("'call_start' and 'call_end' must be non-empty strings")
     check_room(app)
-    request_id = submit(
-        app,
-        body,
-        lambda: run_rollout(app, prompts, params, max_turns, budget, tools, call_start, call_end),
-    )
+    episode_options = (max_turns, budget, tools, call_start, call_end)
+    work = functools.partial(run_rollout, app, prompts, params, *episode_options)
+    request_id = submit(app, body, work)
     return web.json_response({"request_id": request_id}, status=202)
 
 
@@ -584,15 +577,13 @@ async def update_weights(request):
     await answer.write(b'{"receiving": true}\n')
     # asyncio.wait never cancels the task, even when this call is cancelled
     await asyncio.wait([task])
-    error = task.exception()
-    result = (
-        {"error": str(error), "status": 500 if engine.error else 502} if error else task.result()
-    )
-    await answer.write(json.dumps(result).encode() + b"\n")
+    await answer.write(json.dumps(task.result()).encode() + b"\n")
     return answer
 
 
-async def run_update(app, buckets, mode, receiving, version):
+async def run_update(app, buckets, mode, receiving, version) -> dict:
+    """Engine.update_weights, and its outcome as the answer's last line. It raises only while the
+    update can still be refused: before `receiving` is resolved."""
     engine = app[ENGINE]
     flags = app[STATE].flags
     start = time.perf_counter()
@@ -601,16 +592,20 @@ async def run_update(app, buckets, mode, receiving, version):
             buckets, receiving, mode, flags.weight_sync_timeout, flags.drain_timeout, version
         )
     except Exception as e:
-        if engine.error:
-            raise RuntimeError(f"weight update failed; the server exits: {engine.error}") from None
         if not receiving.done():
             raise
+        if engine.error:
+            return {
+                "error": f"weight update failed; the server exits: {engine.error}",
+                "status": 500,
+            }
         # the workers left the group
         app[STATE].transport = None
-        raise RuntimeError(
-            f"weight update failed, version {engine.version} kept: {e!r}; "
-            "call /init_communicator again"
-        ) from None
+        return {
+            "error": f"weight update failed, version {engine.version} kept: {e!r}; "
+            "call /init_communicator again",
+            "status": 502,
+        }
     SYNC_SECONDS.observe(time.perf_counter() - start)
     return {"version": version, **timings}
 
@@ -921,11 +916,8 @@ async def check_key(request, handler):
     key = request.app[STATE].flags.api_key
     # bytes: compare_digest refuses a str with non-ASCII characters (a 500, not a 401)
     sent = request.headers.get("Authorization", "").encode(errors="surrogateescape")
-    if (
-        key
-        and request.path not in ("/health", "/metrics")
-        and not hmac.compare_digest(sent, f"Bearer {key}".encode())
-    ):
+    public = request.path in ("/health", "/metrics")
+    if key and not public and not hmac.compare_digest(sent, f"Bearer {key}".encode()):
         raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
     return await handler(request)
 
@@ -1050,19 +1042,13 @@ def add_limit_flags(g):
     """Bounds on what callers may ask for and leave behind; beyond them a 400 or 429."""
     g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt)")
     g.add_argument(
-        "--max-request-seqs",
-        type=int,
-        default=16384,
-        help="most sequences (prompts x n) in one request",
+        "--max-request-seqs", type=int, default=16384, help="most prompts x n in one request"
     )
     g.add_argument(
         "--max-pending", type=int, default=10000, help="most requests submitted and not yet fetched"
     )
     g.add_argument(
-        "--result-ttl",
-        type=float,
-        default=600.0,
-        help="seconds a finished result waits to be fetched",
+        "--result-ttl", type=float, default=600.0, help="seconds a result waits to be fetched"
     )
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
@@ -1113,9 +1099,7 @@ def add_tool_flags(g):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="async-grpo rollout server: vLLM behind an async HTTP API."
-    )
+    p = argparse.ArgumentParser(description="async-grpo's rollout server: vLLM over HTTP")
     add_engine_flags(p.add_argument_group("engine (named as in vllm serve)"))
     add_http_flags(p.add_argument_group("HTTP"))
     add_limit_flags(p.add_argument_group("limits"))
@@ -1134,10 +1118,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     flags = parse_args(argv)
-    # named alike
-    engine_flags = {
-        k: v for k, v in vars(flags).items() if k in AsyncEngineArgs.__dataclass_fields__
-    }
+    # the engine's flags are named as AsyncEngineArgs' fields
+    fields = AsyncEngineArgs.__dataclass_fields__
+    engine_flags = {k: v for k, v in vars(flags).items() if k in fields}
     app = make_app(engine_args(**engine_flags | {"model": flags.model or tiny_model()}), flags)
     web.run_app(app, host=flags.host, port=flags.port, print=lambda msg: print(msg, flush=True))
     if app[STATE].engine_died:
