@@ -441,16 +441,15 @@ async def init_communicator(request):
             f"ipc needs the trainer on the GPU of a one-GPU server; "
             f"the server's are {state.gpus}, the trainer's is {body.get('gpu')}: use nccl"
         )
-    # ipc needs no group
-    host = None
-    world_size = None
-    if transport != "ipc":
-        host = checked_field(body, "host", str)
-        world_size = checked_field(body, "world_size", int)
-        if world_size != 1 + workers:
-            raise ApiError(
-                f"world_size must be 1 (trainer) + {workers} (server workers) = {1 + workers}"
-            )
+    # the group's host and size: nccl and gloo only, ipc needs no group (the size sent is checked,
+    # ours is passed on: JSON's 2.0 equals 2 but is no size)
+    host = body.get("host")
+    world_size = 1 + workers
+    if transport != "ipc" and (not isinstance(host, str) or body.get("world_size") != world_size):
+        raise ApiError(
+            f"{transport} needs 'host' (a string) and world_size = 1 (trainer) + {workers} "
+            f"(server workers) = {world_size}"
+        )
     port = state.flags.group_port
     timeout = state.flags.weight_sync_timeout
     try:
@@ -746,17 +745,15 @@ def openai_answer(engine, chat, prompt, completions, logprobs):
     """OpenAI's answer, plus prompt_token_ids and, per choice, token_ids and weight_version."""
     choices = []
     for i, c in enumerate(completions):
+        text = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
         choice = {
             "index": i,
+            **text,
             "finish_reason": c.finish_reason,
             "token_ids": c.token_ids,
             "weight_version": c.version,
             "logprobs": openai_logprobs(engine, c, chat) if logprobs else None,
         }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     return {
@@ -822,12 +819,11 @@ def open_session(app, session_id, reserve):
 
 def expire_sessions(state):
     """Drop the sessions unused for --result-ttl s, or begun --max-session-age s ago."""
+    flags = state.flags
     now = time.monotonic()
     for session_id, s in list(state.sessions.items()):
-        if (
-            min(s["used"] + state.flags.result_ttl, s["started"] + state.flags.max_session_age)
-            < now
-        ):
+        expires = min(s["used"] + flags.result_ttl, s["started"] + flags.max_session_age)
+        if expires < now:
             del state.sessions[session_id]
 
 
@@ -899,12 +895,8 @@ async def errors(request, handler):
     except web.HTTPException as e:
         message = e.text
         if request.path.startswith("/v1/"):
-            message = {
-                "message": message,
-                "type": "invalid_request_error" if e.status < 500 else "server_error",
-                "param": None,
-                "code": e.status,
-            }
+            error_type = "invalid_request_error" if e.status < 500 else "server_error"
+            message = {"message": message, "type": error_type, "param": None, "code": e.status}
         # a dead engine core does not come back in this process: not a busy or restarting server
         dead = e.status == 503 and request.app[ENGINE].llm.errored
         return web.json_response({"error": message, "engine_dead": dead}, status=e.status)
