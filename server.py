@@ -5,8 +5,8 @@
 
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
-routes set up a transport and load versioned updates; /health and /metrics. The README's HTTP
-table lists every field. Every mistake of the caller is a 4xx with {"error": message}.
+routes set up a transport and load versioned updates; /health and /metrics. docs/http.md lists
+every field. Every mistake of the caller is a 4xx with {"error": message}.
 """
 
 import argparse
@@ -186,7 +186,8 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
         params = SamplingParams(**fields)
         # the last guard: what the engine's input thread could not decode never reaches it
         check_encodable(params)
-    except Exception as e:  # vLLM's validation errors (their class changes between releases)
+    # vLLM's validation errors (their class changes between releases)
+    except Exception as e:
         raise ApiError(f"invalid sampling parameters: {e}") from None
     return params
 
@@ -229,11 +230,9 @@ def submit(app, body, work) -> str:
     task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work))
     state.tasks[request_id] = (task, args_key(body))
     if not body.get("keep_result"):
-        task.add_done_callback(
-            lambda _: asyncio.get_running_loop().call_later(
-                state.flags.result_ttl, expire, app, request_id
-            )
-        )
+        loop = asyncio.get_running_loop()
+        ttl = state.flags.result_ttl
+        task.add_done_callback(lambda _: loop.call_later(ttl, expire, app, request_id))
     return request_id
 
 
@@ -495,10 +494,10 @@ def check_buckets(body, state) -> list:
         end = 0
         for param in checked_field(bucket, "params", [dict]):
             name = checked_field(param, "name", str)
-            if name not in spec or name in seen:
-                raise ApiError(
-                    f"{'unknown' if name not in spec else 'repeated'} parameter '{name}'"
-                )
+            if name not in spec:
+                raise ApiError(f"unknown parameter '{name}'")
+            if name in seen:
+                raise ApiError(f"repeated parameter '{name}'")
             seen.add(name)
             if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
                 raise ApiError(
@@ -657,7 +656,8 @@ def chat_prompt(engine, body) -> list[int]:
         text = engine.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-    except Exception as e:  # no template, or one that refuses these roles
+    # no template, or one that refuses these roles
+    except Exception as e:
         raise ApiError(f"the model's chat template cannot render these messages: {e}") from None
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
@@ -669,11 +669,7 @@ def openai_request(engine, state, body, chat) -> tuple[list[int], SamplingParams
     if unknown:
         raise ApiError(f"unsupported fields {unknown}")
     if body.get("model") != engine.args.model:
-        raise ApiError(
-            f"model {body.get('model')!r} does not exist; "
-            f"this server serves {engine.args.model!r} (see /v1/models)",
-            404,
-        )
+        raise ApiError(f"model {body.get('model')!r} does not exist (see /v1/models)", 404)
     if chat:
         prompt = chat_prompt(engine, body)
         logprobs = checked_field(body, "logprobs", bool, False)
@@ -710,7 +706,8 @@ async def openai_completion(request):
     recording = open_session(request.app, session_id, reserved) if session_id else None
     try:
         [completions] = await counted_generate(request.app, [prompt], params)
-    except Exception as e:  # the engine refused it (e.g. a prompt longer than --max-model-len)
+    # the engine refused it (e.g. a prompt longer than --max-model-len)
+    except Exception as e:
         error = engine.error
         raise ApiError(
             f"the engine refused the request: {error or e}", 503 if error else 400
@@ -806,9 +803,9 @@ def open_session(app, session_id, reserve):
         or total + reserve > flags.max_total_session_tokens
     ):
         raise ApiError(
-            f"{len(state.sessions)} sessions are open (--max-pending) holding {total} tokens "
-            f"(--max-total-session-tokens); session {session_id!r} holds {session['tokens']} "
-            f"(--max-session-tokens), and this call may add {reserve}: delete some",
+            f"{len(state.sessions)} sessions (--max-pending) hold {total} tokens "
+            f"(--max-total-session-tokens), {session_id!r} {session['tokens']} "
+            f"(--max-session-tokens); this call may add {reserve}: delete some sessions",
             429,
         )
     session["tokens"] += reserve
