@@ -236,10 +236,9 @@ def submit(app, body, work) -> str:
     return request_id
 
 
-def find_identical(app, body) -> str | None:
+def find_identical(state, body) -> str | None:
     """The oldest request with the identical arguments that no other caller is waiting for, so
     that identical requests are fetched once each."""
-    state = app[STATE]
     key = args_key(body)
     return next(
         (i for i, (_, k) in state.tasks.items() if k == key and i not in state.waiting), None
@@ -367,7 +366,7 @@ def requested_ids(app, body) -> list:
     elif "request_id" in body:
         ids = [checked_field(body, "request_id", str)]
     else:
-        ids = [find_identical(app, body)]
+        ids = [find_identical(app[STATE], body)]
     ids = [i for i in ids if i in app[STATE].tasks]
     if not ids:
         raise ApiError("no such request: unknown, fetched, aborted or expired", 404)
@@ -703,7 +702,7 @@ async def openai_completion(request):
     completions = []
     # room for every choice, each recorded with its prompt
     reserved = params.n * (len(prompt) + params.max_tokens)
-    recording = open_session(request.app, session_id, reserved) if session_id else None
+    recording = open_session(state, session_id, reserved) if session_id else None
     try:
         [completions] = await counted_generate(request.app, [prompt], params)
     # the engine refused it (e.g. a prompt longer than --max-model-len)
@@ -786,12 +785,11 @@ def openai_logprobs(engine, completion, chat) -> dict:
     }
 
 
-def open_session(app, session_id, reserve):
+def open_session(state, session_id, reserve):
     """The X-Session-ID session (made if new) with room reserved for `reserve` more tokens, or a
     429: at most --max-pending sessions, --max-session-tokens in one, --max-total-session-tokens in
     all. Nothing is awaited between the checks and the reservation, so concurrent calls cannot
     pass a bound together."""
-    state = app[STATE]
     flags = state.flags
     now = time.monotonic()
     expire_sessions(state)
@@ -841,10 +839,10 @@ def record(session, prompt, completions, reserved):
     session["used"] = time.monotonic()
 
 
-def merge(calls) -> tuple[Episode | None, str | None]:
+def merge(calls) -> tuple[dict | None, str | None]:
     """One episode from a session's calls, if each call's prompt continues the previous call's
     prompt and completion token for token (else None and why): the tokens between are prompt (a
-    tool's output, the chat template's), the completions are sampled; a /rollout episode."""
+    tool's output, the chat template's), the completions are sampled; a /rollout episode, as JSON."""
     if not calls:
         return None, "no call of this session has finished yet"
     ids, mask, logprobs = [], [], []
@@ -863,7 +861,7 @@ def merge(calls) -> tuple[Episode | None, str | None]:
         {"text": c["text"], "version": c["weight_version"], "finish_reason": c["finish_reason"]}
         for c in calls
     ]
-    return Episode(ids, mask, logprobs, turns, [], turns[-1]["finish_reason"]), None
+    return vars(Episode(ids, mask, logprobs, turns, [], turns[-1]["finish_reason"])), None
 
 
 async def session(request):
@@ -877,7 +875,6 @@ async def session(request):
         return web.json_response({"deleted": session_id})
     calls = state.sessions[session_id]["calls"]
     episode, reason = merge(calls)
-    episode = vars(episode) if episode else None
     return web.json_response({"calls": calls, "episode": episode, "reason": reason})
 
 
@@ -1043,21 +1040,15 @@ def add_limit_flags(g):
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
     # prompt and completions: its tokens); beyond these bounds a call is a 429. A session ends
     # when deleted, --result-ttl s after its last call, or --max-session-age s after its first.
-    g.add_argument(
-        "--max-session-tokens", type=int, default=10**6, help="most tokens in one session"
-    )
+    g.add_argument("--max-session-tokens", type=int, default=10**6, help="most tokens per session")
     g.add_argument(
         "--max-total-session-tokens", type=int, default=10**7, help="most tokens in all sessions"
     )
-    g.add_argument(
-        "--max-session-age", type=float, default=3600.0, help="seconds a session may last"
-    )
+    g.add_argument("--max-session-age", type=float, default=3600.0, help="most seconds per session")
 
 
 def add_sync_flags(g):
-    g.add_argument(
-        "--group-port", type=int, default=51216, help="port of the trainer's weight-sync group"
-    )
+    g.add_argument("--group-port", type=int, default=51216, help="the weight-sync group's port")
     # on timeout the update fails and the old weights and version stay
     g.add_argument(
         "--weight-sync-timeout",
