@@ -53,7 +53,8 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": bool,
     "skip_special_tokens": bool,
 }
-# the fields of /generate and /rollout besides the sampling ones: read by submit() and the routes
+# the fields of /generate and /rollout besides the sampling ones: read by add_request() and the
+# routes
 REQUEST_FIELDS = ("prompts", "priority", "min_version", "keep_result")
 ROLLOUT_FIELDS = ("tools", "max_turns", "max_episode_tokens", "call_start", "call_end")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -194,7 +195,7 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
 
 def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     """The prompts and SamplingParams of a /generate or /rollout body (whose other fields are
-    REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that submit() reads."""
+    REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that add_request() reads."""
     check_serving(app)
     prompts = parse_prompts(body, app[STATE])
     params = parse_sampling(body, app[STATE], extra=(*REQUEST_FIELDS, *extra))
@@ -220,7 +221,7 @@ def check_room(app, count=1):
         raise ApiError(f"{len(app[STATE].tasks)} results wait unfetched (--max-pending)", 429)
 
 
-def submit(app, body, work) -> str:
+def add_request(app, body, work) -> str:
     """Start `work` (a coroutine function) under a new id once weights body["min_version"] are
     loaded (run_at_version), remembering its arguments. Once it is done, its result waits
     --result-ttl seconds to be fetched, then it is dropped; with "keep_result" in the body, until
@@ -322,7 +323,7 @@ async def generate(request):
     ids = []
     for group in groups:
         work = functools.partial(run_generate, app, group, params, priority)
-        ids.append(submit(app, {**body, "prompts": group} if split else body, work))
+        ids.append(add_request(app, {**body, "prompts": group} if split else body, work))
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
@@ -352,7 +353,7 @@ async def rollout(request):
     check_room(app)
     episode_options = (max_turns, budget, tools, call_start, call_end)
     work = functools.partial(run_rollout, app, prompts, params, *episode_options)
-    request_id = submit(app, body, work)
+    request_id = add_request(app, body, work)
     return web.json_response({"request_id": request_id}, status=202)
 
 
@@ -840,9 +841,10 @@ def record(session, prompt, completions, reserved):
 
 
 def merge(calls) -> tuple[dict | None, str | None]:
-    """One episode from a session's calls, if each call's prompt continues the previous call's
-    prompt and completion token for token (else None and why): the tokens between are prompt (a
-    tool's output, the chat template's), the completions are sampled; a /rollout episode, as JSON."""
+    """One episode from a session's calls, as JSON in the shape of a /rollout one, if each call's
+    prompt continues the previous call's prompt and completion token for token (else None and
+    why): the tokens between are prompt (a tool's output, the chat template's), the completions are
+    sampled."""
     if not calls:
         return None, "no call of this session has finished yet"
     ids, mask, logprobs = [], [], []
