@@ -599,11 +599,8 @@ async def run_update(app, buckets, mode, receiving, version) -> dict:
             }
         # the workers left the group
         app[STATE].transport = None
-        return {
-            "error": f"weight update failed, version {engine.version} kept: {e!r}; "
-            "call /init_communicator again",
-            "status": 502,
-        }
+        error = f"weight update failed, version {engine.version} kept: {e!r}"
+        return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
     return {"version": version, **timings}
 
