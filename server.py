@@ -343,8 +343,9 @@ async def rollout(request):
     given = {k: v for k, v in body.items() if v is not None}
     max_turns = checked_field(given, "max_turns", int, 4, 1, 100)
     budget = checked_field(given, "max_episode_tokens", int, 256, 1, app[STATE].flags.max_model_len)
-    tools = checked_field(given, "tools", [str], rollouts.tool_names)
-    if not set(tools) <= set(rollouts.tool_names):
+    # unset: None, every registered tool (and a call of an unknown one says so, not "not available")
+    tools = given.get("tools")
+    if not set(checked_field(given, "tools", [str], [])) <= set(rollouts.tool_names):
         raise ApiError(f"'tools' must be a list of registered tool names: {rollouts.tool_names}")
     call_start = checked_field(given, "call_start", str, rollouts.call_start)
     call_end = checked_field(given, "call_end", str, rollouts.call_end)
