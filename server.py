@@ -207,9 +207,8 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
 
 def args_key(body) -> str:
     """The identity of a call by its arguments: the same body finds the same request."""
-    return json.dumps(
-        {k: v for k, v in body.items() if k not in ("request_id", "timeout")}, sort_keys=True
-    )
+    arguments = {k: v for k, v in body.items() if k not in ("request_id", "timeout")}
+    return json.dumps(arguments, sort_keys=True)
 
 
 # -- the futures table: request id -> (task, its arguments' key), oldest first ---------------------
