@@ -64,6 +64,13 @@ class Episode:
     finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
     versions: list[list[int]] | None = None  # as a Completion's, over token_ids
 
+    def append(self, token_ids, logprobs):
+        """Add tokens: sampled ones with their `logprobs` (in the loss), or, with logprobs None, the
+        prompt's or a tool's (masked out)."""
+        self.token_ids += token_ids
+        self.loss_mask += [0 if logprobs is None else 1] * len(token_ids)
+        self.logprobs += [None] * len(token_ids) if logprobs is None else logprobs
+
 
 # -- the weight group: the same code in the trainer (rank 0) and in each server worker (rank 1..)
 # ---
@@ -78,14 +85,12 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
     )
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        # NCCL's watchdog kills the process on timeout: only a backstop behind `finish`
+        # NCCL's watchdog kills the process on timeout: only a backstop behind `wait_broadcast`
         options._timeout = timeout * 2
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
     else:
-        group, device = (
-            dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout),
-            torch.device("cpu"),
-        )
+        group = dist.ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+        device = torch.device("cpu")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
     return group
@@ -94,10 +99,10 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
 def broadcast(group, tensor, weight_sync_timeout):
     """Broadcast `tensor` from the trainer (rank 0) and block until it has really arrived."""
     # rootRank 0: the trainer
-    finish(group.broadcast([tensor], dist.BroadcastOptions()), tensor, weight_sync_timeout)
+    wait_broadcast(group.broadcast([tensor], dist.BroadcastOptions()), tensor, weight_sync_timeout)
 
 
-def finish(work, tensor, weight_sync_timeout):
+def wait_broadcast(work, tensor, weight_sync_timeout):
     """Wait until a broadcast has arrived, at most `weight_sync_timeout` s. gloo's wait() blocks
     (bounded by the group's timeout). NCCL's only makes the tensor's CUDA stream wait for it: work
     queued after it is ordered right, but would hang for good if the peer died. So a thread waits
@@ -126,35 +131,21 @@ def share_cuda(buffer: torch.Tensor) -> dict:
     must not unpickle what arrives over HTTP."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    (
-        _,
-        _,
-        _,
-        offset,
-        _,
-        _,
-        device,
-        handle,
-        nbytes,
-        storage_offset,
-        _,
-        ref,
-        ref_offset,
-        event,
-        event_sync,
-    ) = reduce_tensor(buffer)[1]
-    b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
+    # reduce_tensor gives rebuild_cuda_tensor's arguments; we send those that describe the memory:
+    # 3 tensor offset, 6 device, 7 storage handle, 8 its bytes, 9 its offset, 11 ref counter
+    # handle, 12 its offset, 13 event handle, 14 event_sync_required
+    args = reduce_tensor(buffer)[1]
     return {
-        "offset": offset,
-        "device": device,
-        "handle": b64(handle),
-        "storage_bytes": nbytes,
-        "storage_offset": storage_offset,
-        "ref": b64(ref),
-        "ref_offset": ref_offset,
-        "event": b64(event),
-        "event_sync": event_sync,
-        "gpu": device_uuid(torch.device("cuda", device)),
+        "offset": args[3],
+        "device": args[6],
+        "handle": to_base64(args[7]),
+        "storage_bytes": args[8],
+        "storage_offset": args[9],
+        "ref": to_base64(args[11]),
+        "ref_offset": args[12],
+        "event": to_base64(args[13]),
+        "event_sync": args[14],
+        "gpu": device_uuid(buffer.device),
     }
 
 
@@ -164,7 +155,6 @@ def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
     opened once (~170 ms on an H200) and costs nothing on later updates."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    b64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
     return rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size([size]),
@@ -173,15 +163,41 @@ def open_cuda(shared: dict, size: int, device: torch.device) -> torch.Tensor:
         torch.TypedStorage,
         torch.uint8,
         device.index,
-        b64(shared["handle"]),
+        from_base64(shared["handle"]),
         shared["storage_bytes"],
         shared["storage_offset"],
         False,
-        b64(shared["ref"]),
+        from_base64(shared["ref"]),
         shared["ref_offset"],
-        b64(shared["event"]),
+        from_base64(shared["event"]),
         shared["event_sync"],
     )
+
+
+def to_base64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def from_base64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+def choose_transport(transport, device, server_gpus):
+    """(transport, device of the trainer's send buffers) for Client.init_communicator: the
+    transport given or the one `device` calls for (default: CUDA if available), checked."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if transport is None:
+        same_gpu = device.type == "cuda" and device_uuid(device) in server_gpus
+        transport = "ipc" if same_gpu else "nccl" if device.type == "cuda" else "gloo"
+    if transport not in TRANSPORTS or (transport != "gloo" and device.type != "cuda"):
+        raise ValueError(
+            f"transport must be one of {TRANSPORTS}, and ipc or nccl need the trainer on CUDA; "
+            f"got {transport!r} on {device}"
+        )
+    # gloo sends from CPU buffers
+    return transport, torch.device("cpu") if transport == "gloo" else device
 
 
 def device_uuid(device: torch.device) -> str:
@@ -196,14 +212,8 @@ def pack(named, bucket_bytes):
         if params and size + nbytes > bucket_bytes:
             buckets.append(({"size": size, "params": params}, tensors))
             params, tensors, size = [], [], 0
-        params.append(
-            {
-                "name": name,
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "offset": size,
-            }
-        )
+        dtype = str(t.dtype).removeprefix("torch.")
+        params.append({"name": name, "dtype": dtype, "shape": list(t.shape), "offset": size})
         tensors.append(t)
         size += math.ceil(nbytes / 16) * 16
     if params:
@@ -211,7 +221,7 @@ def pack(named, bucket_bytes):
     return buckets
 
 
-def fill(buffer, bucket, tensors):
+def fill_bucket(buffer, bucket, tensors):
     """Copy a bucket's tensors into `buffer` at their announced offsets."""
     for p, t in zip(bucket["params"], tensors):
         buffer[p["offset"] : p["offset"] + t.numel() * t.element_size()].copy_(
@@ -222,18 +232,12 @@ def fill(buffer, bucket, tensors):
 def unpack(buffer: torch.Tensor, params):
     """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape,
     offset}]."""
-    out = []
+    named = []
     for p in params:
-        dtype, start = DTYPES[p["dtype"]], p["offset"]
-        out.append(
-            (
-                p["name"],
-                buffer[start : start + math.prod(p["shape"]) * dtype.itemsize]
-                .view(dtype)
-                .view(p["shape"]),
-            )
-        )
-    return out
+        dtype = DTYPES[p["dtype"]]
+        end = p["offset"] + math.prod(p["shape"]) * dtype.itemsize
+        named.append((p["name"], buffer[p["offset"] : end].view(dtype).view(p["shape"])))
+    return named
 
 
 # -- the client ------------------------------------------------------------------------------------
@@ -252,9 +256,8 @@ class RemoteFuture:
 
     def __init__(self, client, request_id):
         self.client, self.request_id = client, request_id
-        self.timing = (
-            None  # once fetched: when the server queued, started and finished it (its time.time())
-        )
+        # once fetched: when the server queued, started and finished it (its time.time())
+        self.timing = None
 
     def result(self, timeout=None):
         """Wait (long-polling the server in slices of at most 60 s) and return the result."""
@@ -265,7 +268,7 @@ class RemoteFuture:
         self.client.abort(self.request_id)
 
 
-class Client:
+class Client(contextlib.AbstractContextManager):
     """`with Client(url) as client:` aborts the requests it submitted and never fetched if the
     block raises (a trainer that fails mid-step leaves nothing generating on the server)."""
 
@@ -283,23 +286,17 @@ class Client:
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, kind, error, traceback):
         if error is not None:
             self.abort_pending()
 
     def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
         """The answer's JSON; with `stream`, the response itself, to read as it comes."""
+        url = self.base_url + path
+        timeout = timeout or self.timeout
         try:
             r = (http or self.http).request(
-                method,
-                self.base_url + path,
-                json=body,
-                timeout=timeout or self.timeout,
-                headers=self.headers,
-                stream=stream,
+                method, url, json=body, timeout=timeout, headers=self.headers, stream=stream
             )
         except requests.ConnectionError as e:
             raise ConnectionError(f"server unreachable at {self.base_url}: {e}") from None
@@ -333,57 +330,30 @@ class Client:
                 self.abort(request_id)
 
     # -- generation -------------------------------------------------------------------------------
-    def generate(
-        self, prompts, n=1, temperature=1.0, max_tokens=16, priority=0, is_async=False, **sampling
-    ):
+    def generate(self, prompts, is_async=False, **sampling):
         """Completions for each prompt (a string or a list of token ids): a list per prompt of
-        `n` Completion(text, token_ids, logprobs, finish_reason, version). Other keyword
-        arguments are vLLM SamplingParams fields (top_p, top_k, seed, stop, ...), or min_version.
-        With is_async=True, return a RemoteFuture at once instead.
+        `n` Completion(text, token_ids, logprobs, finish_reason, version). Keyword arguments are
+        vLLM SamplingParams fields (n, temperature, max_tokens, top_p, top_k, seed, stop, ...; the
+        server's defaults are n=1, max_tokens=16 and vLLM's), `priority` (lower runs first), or
+        `min_version`. With is_async=True, return a RemoteFuture at once instead.
         With split_prompts=True, one RemoteFuture per prompt (collect them with as_completed())."""
-        body = dict(
-            prompts=list(prompts),
-            n=n,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            priority=priority,
-            **sampling,
-        )
+        body = {"prompts": list(prompts), **sampling}
         if sampling.get("split_prompts"):
             ids = self._request("POST", "/generate", body)["request_ids"]
             self.pending.update(dict.fromkeys(ids, 1))
             return [RemoteFuture(self, i) for i in ids]
-        future = RemoteFuture(self, self._submit("/generate", body))
-        return future if is_async else future.result()
+        return self._submit("/generate", body, is_async)
 
-    def rollout(
-        self,
-        prompts,
-        n=1,
-        tools=None,
-        max_turns=4,
-        max_episode_tokens=256,
-        temperature=1.0,
-        max_tokens=64,
-        is_async=False,
-        **sampling,
-    ):
+    def rollout(self, prompts, is_async=False, **options):
         """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask,
-        logprobs, turns, tool_calls, finish_reason). `tools` limits which registered tools may be
-        called; a turn ending in `call_end` ("</tool>" unless given) calls "NAME ARGUMENT" written
-        after `call_start`."""
-        body = dict(
-            prompts=list(prompts),
-            n=n,
-            tools=None if tools is None else list(tools),
-            max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            **sampling,
+        logprobs, turns, tool_calls, finish_reason). Keyword arguments: n; `tools`, a list that
+        limits which registered tools may be called; max_turns (4) and max_episode_tokens (256);
+        call_start and call_end: a turn ending in `call_end` ("</tool>" unless given) calls
+        "NAME ARGUMENT" written after `call_start`; and generate's sampling fields (max_tokens 64
+        here, a turn's)."""
+        return self._submit(
+            "/rollout", {"prompts": list(prompts), "max_tokens": 64, **options}, is_async
         )
-        future = RemoteFuture(self, self._submit("/rollout", body))
-        return future if is_async else future.result()
 
     def session(self, session_id):
         """The calls an OpenAI client made with the header X-Session-ID: `session_id`: (calls, the
@@ -391,10 +361,12 @@ class Client:
         reply = self._request("GET", f"/v1/sessions/{session_id}")
         return reply["calls"], Episode(**reply["episode"]) if reply["episode"] else None
 
-    def _submit(self, path, body):
+    def _submit(self, path, body, is_async):
+        """Submit one request: its RemoteFuture with `is_async`, else its result."""
         request_id = self._request("POST", path, body)["request_id"]
         self.pending[request_id] = len(body["prompts"])
-        return request_id
+        future = RemoteFuture(self, request_id)
+        return future if is_async else future.result()
 
     def get_future(self, request_id, timeout=None):
         return self._wait([request_id], timeout)[1]
@@ -447,53 +419,40 @@ class Client:
         side of the group waits for the workers (the server has its own, same-named flag)."""
         self._drop_group()
         info = self.health()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if transport is None:
-            same_gpu = self.device.type == "cuda" and device_uuid(self.device) in info["gpus"]
-            transport = "ipc" if same_gpu else "nccl" if self.device.type == "cuda" else "gloo"
-        if transport not in TRANSPORTS or (transport != "gloo" and self.device.type != "cuda"):
-            raise ValueError(
-                f"transport must be one of {TRANSPORTS}, and ipc or nccl need the trainer on CUDA; "
-                f"got {transport!r} on {self.device}"
-            )
-        # gloo sends from CPU buffers
-        self.device = torch.device("cpu") if transport == "gloo" else self.device
+        transport, self.device = choose_transport(transport, device, info["gpus"])
+        port = info["group_port"]
+        world_size = 1 + info["workers"]
         body = {"transport": transport}
         if transport == "ipc":
-            answer = self._request(
-                "POST", "/init_communicator", body | {"gpu": device_uuid(self.device)}
+            body["gpu"] = device_uuid(self.device)
+        else:
+            body |= {"host": host, "world_size": world_size}
+        # the server's workers join the group while we host its store (rank 0): the request runs
+        # on a thread, with a session of its own (a requests.Session is not thread-safe)
+        request_timeout = weight_sync_timeout + 30
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(
+                self._request,
+                "POST",
+                "/init_communicator",
+                body,
+                request_timeout,
+                requests.Session(),
             )
-        else:  # the server's workers join while we host the group's store (rank 0)
-            body |= {"host": host, "world_size": 1 + info["workers"]}
-            with ThreadPoolExecutor(1) as pool:
-                reply = pool.submit(
-                    self._request,
-                    "POST",
-                    "/init_communicator",
-                    body,
-                    weight_sync_timeout + 30,
-                    requests.Session(),
-                )
-                try:
+            try:
+                if transport != "ipc":
                     self.group = weight_group(
-                        transport,
-                        host,
-                        info["group_port"],
-                        0,
-                        body["world_size"],
-                        weight_sync_timeout,
-                        self.device,
+                        transport, host, port, 0, world_size, weight_sync_timeout, self.device
                     )
-                except Exception as e:  # the server's answer says why, if it has one
-                    reply.result()
-                    raise ConnectionError(
-                        f"weight group at {host}:{info['group_port']} failed: {e}"
-                    ) from None
-                answer = reply.result()
-        self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
-        self.spec, self.dtype = answer["params"], getattr(torch, answer["dtype"])
+            except Exception as e:
+                # the server's answer says why, if it has one
+                reply.result()
+                raise ConnectionError(f"weight group at {host}:{port} failed: {e}") from None
+            answer = reply.result()
+        self.transport = transport
+        self.weight_sync_timeout = weight_sync_timeout
+        self.spec = answer["params"]
+        self.dtype = getattr(torch, answer["dtype"])
 
     def close_communicator(self):
         if self.transport is not None:
@@ -528,7 +487,7 @@ class Client:
         buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20)
         if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
             buffer = self._buffer(0, buckets[0][0]["size"])
-            fill(buffer, *buckets[0])
+            fill_bucket(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
         # an error status here means nothing was sent, and the group stays as it is
@@ -537,19 +496,21 @@ class Client:
         with answer:
             try:
                 lines = answer.iter_lines()
-                read_line(lines)  # {"receiving": true}
+                # {"receiving": true}: the workers receive
+                read_line(lines)
                 start = time.perf_counter()
-                if self.transport != "ipc":  # ipc: nothing to send
+                # ipc: nothing to send
+                if self.transport != "ipc":
                     self._send_buckets(buckets)
                 # packing and sending every bucket
                 send_s = time.perf_counter() - start
                 result = read_line(lines)
+                if "error" in result:
+                    raise ServerError(result["status"], result["error"])
             except Exception:
-                self._drop_group()  # a failed update: the server's workers left the group too
+                # a failed update: the server's workers left the group (or the server exits)
+                self._drop_group()
                 raise
-        if "error" in result:  # the workers left the group, or the server exits
-            self._drop_group()
-            raise ServerError(result["status"], result["error"])
         # and send_s here, receive_s and load_s in the workers: where the time went
         self.last_update = {"send_s": send_s, **result}
         return result["version"]
@@ -562,10 +523,10 @@ class Client:
                 # its buffer is ours again (NCCL: the copies into it wait on the stream)
                 sending[i % 2][0].wait()
             buffer = self._buffer(i % 2, bucket["size"])
-            fill(buffer, bucket, tensors)
+            fill_bucket(buffer, bucket, tensors)
             sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
         for work in filter(None, sending):
-            finish(*work, self.weight_sync_timeout)
+            wait_broadcast(*work, self.weight_sync_timeout)
 
     def _named_tensors(self, model):
         """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens)
@@ -602,7 +563,7 @@ def server_lost(e):
 
 
 # -- several servers -------------------------------------------------------------------------------
-class Router:
+class Router(contextlib.AbstractContextManager):
     """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`.
     Each request goes to the live server with the fewest of our prompts pending (a step's split
     prompts one by one); a /rollout episode runs whole on one server; an OpenAI session's calls go
@@ -623,9 +584,6 @@ class Router:
         self.live = list(self.clients)
         self.version = 0  # the version every live server serves, once weight sync is set up
         self.sessions = {}  # X-Session-ID -> the Client of its server
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, kind, error, traceback):
         if error is not None:

@@ -13,6 +13,10 @@ In reading order:
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
 Each vLLM call that may change between releases is one small function next to its user.
+
+The worker reads the weight wire format (the group, the packed buckets, CUDA IPC handles) from
+client.py, where the trainer writes it: both ends of the wire side by side in the one module that
+a trainer imports without vLLM.
 """
 
 import ast
@@ -24,7 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -33,16 +37,15 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-# the payloads, the weight group and the tiny model live in client.py, which a trainer imports
-# without vLLM
+# the payloads and the weight wire format live in client.py, which a trainer imports without vLLM
 from client import (
     Completion,
     Episode,
     close_group,
     device_uuid,
-    finish,
     open_cuda,
     unpack,
+    wait_broadcast,
     weight_group,
 )
 
@@ -114,7 +117,7 @@ class Engine:
                     self.idle.notify_all()
         marks = [self.marks.pop(out.request_id, {}) for out in outputs]
         return [
-            [completion(c, params.logprobs, version, m) for c in sorted(out.outputs, key=index)]
+            [completion(c, params.logprobs, version, m) for c in sorted(out.outputs, key=by_index)]
             for out, m in zip(outputs, marks)
         ]
 
@@ -142,6 +145,17 @@ class Engine:
           in-flight  stop where they are, and go on after the update with the new weights: their
                      KV is computed again, so each token after it is the new weights' own, and
                      each completion carries the version of every token (`versions`)."""
+        async with self.paused(mode, drain_timeout, weight_sync_timeout) as drain_s:
+            # the workers are told to receive next: the trainer may send
+            ready.set_result(None)
+            version, timings = await self.load(buckets, weight_sync_timeout, version)
+        return version, {"drain_s": drain_s, **timings}
+
+    @asynccontextmanager
+    async def paused(self, mode, drain_timeout, timeout):
+        """One update at a time: close the gate, drain or pause the requests in flight (`mode`, as
+        in update_weights) and yield the seconds that took; on the way out, resume the paused
+        requests and reopen the gate."""
         async with self.update_lock:
             self.gate.clear()
             start = time.perf_counter()
@@ -156,16 +170,11 @@ class Engine:
                     pause = self.llm.engine_core.pause_scheduler_async(
                         mode="keep", clear_cache=False
                     )
-                    await asyncio.wait_for(pause, weight_sync_timeout)
-                ready.set_result(None)
-                drain_s = time.perf_counter() - start
-                # requests paused mid-way, whose KV is the old weights'
-                paused = mode != "drain" and self.in_flight > 0
-                version, timings = await self.load(buckets, weight_sync_timeout, paused, version)
-                return version, {"drain_s": drain_s, **timings}
+                    await asyncio.wait_for(pause, timeout)
+                yield time.perf_counter() - start
             finally:
                 if mode != "drain" and not self.error:
-                    await asyncio.wait_for(self.llm.resume_generation(), weight_sync_timeout)
+                    await asyncio.wait_for(self.llm.resume_generation(), timeout)
                 self.gate.set()
 
     async def drain(self, timeout):
@@ -179,22 +188,23 @@ class Engine:
                     f"of {timeout} s; nothing was sent"
                 ) from None
 
-    async def load(self, buckets, timeout, paused=False, version=0):
-        """Receive and load in every worker, forget the KV of the requests `paused` in flight, bump
-        the version (to `version` if that is higher). It ends in one of three ways (the server
-        never cancels it: an update is no entry of its futures table):
+    async def load(self, buckets, timeout, version=0):
+        """Receive and load in every worker, then bump the version (to `version` if that is
+        higher). Called while `paused`. It ends in one of three ways (the server never cancels it:
+        an update is no entry of its futures table):
         - the version goes up (by one, unless `version` says more): every worker loaded the new
           weights;
         - ConnectionError: the weights never arrived (the trainer died or timed out), nothing was
           loaded, the old weights and version stay;
         - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
-          part-way, or a worker did not answer, or the paused requests' KV (the old weights')
-          was not dropped, or vLLM 0.32 did not take the version's label. The weights may be
-          mixed: no request is served any more, and the server exits non-zero
-          (server.watch_engine), as when vLLM's engine dies, so that a supervisor restarts it on
-          its checkpoint. We do not wait for a later push to heal it: what made a load fail (a
-          CUDA error, a model family we load wrongly) usually stays."""
+          part-way, or a worker did not answer, or the bump failed. The weights may be mixed: no
+          request is served any more, and the server exits non-zero (server.watch_engine), as when
+          vLLM's engine dies, so that a supervisor restarts it on its checkpoint. We do not wait
+          for a later push to heal it: what made a load fail (a CUDA error, a model family we load
+          wrongly) usually stays."""
         start = time.perf_counter()
+        # requests still in flight now were paused mid-way (in-flight mode; a drain leaves none)
+        paused = self.in_flight > 0
         try:
             answers = await self.llm.collective_rpc(
                 "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
@@ -204,10 +214,17 @@ class Engine:
         missed = [a["receive_error"] for a in answers if "receive_error" in a]
         if len(missed) == len(answers):
             raise ConnectionError(f"the new weights did not arrive: {missed[0]}")
-        if failed := missed + [a["load_error"] for a in answers if "load_error" in a]:
+        failed = missed + [a["load_error"] for a in answers if "load_error" in a]
+        if failed:
             self.fail(f"a worker failed to load its weights: {failed[0]}")
         rpc_s = time.perf_counter() - start
-        version = max(self.version + 1, version)
+        await self.bump(max(self.version + 1, version), paused, timeout)
+        reset_s = time.perf_counter() - start - rpc_s
+        return self.version, {**answers[0], "rpc_s": rpc_s, "reset_s": reset_s}
+
+    async def bump(self, version, paused, timeout):
+        """Make the loaded weights `version`: drop the KV of the requests `paused` in flight (the
+        old weights'), label what is sampled from now on, wake those waiting for the version."""
         try:
             # vLLM drops the paused requests' KV (and the prefix cache) and computes it again with
             # the new weights (0.26 and 0.32 alike). It costs a loop over every KV block in Python
@@ -217,18 +234,16 @@ class Engine:
                 self.llm.reset_prefix_cache(reset_running_requests=True), timeout
             ):
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")
-            paused = await asyncio.wait_for(track_versions(self.llm, version), timeout)
+            tokens_so_far = await asyncio.wait_for(track_versions(self.llm, version), timeout)
         except Exception as e:
             self.fail(
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             )
         self.version = version
-        for (request_id, i), n in paused.items():
-            self.marks.setdefault(request_id, {}).setdefault(i, []).append([self.version, n])
+        for (request_id, i), n in tokens_so_far.items():
+            self.marks.setdefault(request_id, {}).setdefault(i, []).append([version, n])
         async with self.new_version:
             self.new_version.notify_all()
-        reset_s = time.perf_counter() - start - rpc_s
-        return self.version, {**answers[0], "rpc_s": rpc_s, "reset_s": reset_s}
 
     def fail(self, why):
         self.load_error = f"weights possibly mixed by a failed update: {why}"
@@ -288,23 +303,15 @@ def final_only(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def index(output):
-    return output.index
+by_index = operator.attrgetter("index")
 
 
 def completion(c, k, version, marks) -> Completion:
     """Our Completion of vLLM's CompletionOutput `c`, admitted at weights `version`."""
     spans = version_spans(c, version, marks)
     logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-    return Completion(
-        c.text,
-        list(c.token_ids),
-        logprobs,
-        c.finish_reason,
-        spans[0][0],
-        top_k(c.logprobs, k),
-        spans,
-    )
+    top = top_logprobs(c.logprobs, k)
+    return Completion(c.text, list(c.token_ids), logprobs, c.finish_reason, spans[0][0], top, spans)
 
 
 def version_spans(c, version, marks):
@@ -340,20 +347,18 @@ def check_encodable(params: SamplingParams):
     MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
 
 
-def top_k(logprobs, k):
+def top_logprobs(logprobs, k):
     """With sampling `logprobs` k > 0: per position, the k likeliest tokens as [{token,
     logprob}]."""
-    return (
+    if not k:
+        return None
+    return [
         [
-            [
-                {"token": x.decoded_token, "logprob": x.logprob}
-                for x in sorted(lp.values(), key=lambda x: x.rank)[:k]
-            ]
-            for lp in logprobs
+            {"token": x.decoded_token, "logprob": x.logprob}
+            for x in sorted(lp.values(), key=lambda x: x.rank)[:k]
         ]
-        if k
-        else None
-    )
+        for lp in logprobs
+    ]
 
 
 # -- the worker side of weight sync: runs inside each vLLM worker process --------------------------
@@ -373,16 +378,12 @@ class WeightSyncWorker:
         self.close_communicator()
         # ipc needs no group: the server checked that the trainer is on our GPU
         if transport != "ipc":
+            rank = weight_rank(self.vllm_config)
             self.group = weight_group(
-                transport,
-                host,
-                port,
-                weight_rank(self.vllm_config),
-                world_size,
-                weight_sync_timeout,
-                self.device,
+                transport, host, port, rank, world_size, weight_sync_timeout, self.device
             )
-        self.transport, self.weight_sync_timeout = transport, weight_sync_timeout
+        self.transport = transport
+        self.weight_sync_timeout = weight_sync_timeout
 
     def close_communicator(self):
         # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
@@ -396,32 +397,7 @@ class WeightSyncWorker:
         loading* is returned as {"load_error": ...}: the engine then knows its weights are mixed."""
         start = time.perf_counter()
         try:
-            received = []
-            if (
-                self.transport == "ipc"
-                # views straight into the trainer's buffer, on this GPU, kept open for the next
-                # update
-            ):
-                self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-                received = [
-                    w
-                    for buffer, b in zip(self.ipc_buffers, buckets)
-                    for w in unpack(buffer, b["params"])
-                ]
-            else:
-                for b in buckets:
-                    buffer = torch.empty(
-                        b["size"],
-                        dtype=torch.uint8,
-                        device="cpu" if self.transport == "gloo" else self.device,
-                    )
-                    work = self.group.broadcast([buffer], dist.BroadcastOptions())
-                    # gloo: until it arrived; NCCL: this GPU's stream waits for it, no sync
-                    work.wait()
-                    # gloo: one copy to the GPU per bucket
-                    received += unpack(buffer.to(self.device), b["params"])
-                # NCCL: the last one (and so every one before it) has arrived, within the timeout
-                finish(work, buffer, self.weight_sync_timeout)
+            received = self.receive(buckets)
         except Exception as e:
             self.close_communicator()
             return {"receive_error": f"{type(e).__name__}: {e}"}
@@ -438,6 +414,28 @@ class WeightSyncWorker:
             return {"load_error": f"{type(e).__name__}: {e}"}
         return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
 
+    def receive(self, buckets):
+        """[(name, tensor)] of every bucket, on this worker's device."""
+        if self.transport == "ipc":
+            # views straight into the trainer's buffer, on this GPU, kept open for the next update
+            self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
+            return [
+                w for buf, b in zip(self.ipc_buffers, buckets) for w in unpack(buf, b["params"])
+            ]
+        received = []
+        # gloo receives into CPU buffers, NCCL into GPU ones
+        device = "cpu" if self.transport == "gloo" else self.device
+        for b in buckets:
+            buffer = torch.empty(b["size"], dtype=torch.uint8, device=device)
+            work = self.group.broadcast([buffer], dist.BroadcastOptions())
+            # gloo: until it arrived; NCCL: this GPU's stream waits for it, no sync
+            work.wait()
+            # gloo: one copy to the GPU per bucket
+            received += unpack(buffer.to(self.device), b["params"])
+        # NCCL: the last one (and so every one before it) has arrived, within the timeout
+        wait_broadcast(work, buffer, self.weight_sync_timeout)
+        return received
+
     def weight_spec(self):
         """{checkpoint name: shape} of the parameters a trainer may send (tied ones once). Built
         inside vLLM's config context: for a family served by vLLM's Transformers backend (OLMo-2 on
@@ -446,13 +444,10 @@ class WeightSyncWorker:
         from vllm.config import set_current_vllm_config
 
         config = self.model_runner.model_config
-        hf_config = AutoConfig.from_pretrained(
-            config.model, trust_remote_code=config.trust_remote_code
-        )
+        trust = config.trust_remote_code
+        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=trust)
         with torch.device("meta"), set_current_vllm_config(self.vllm_config):
-            model = AutoModelForCausalLM.from_config(
-                hf_config, trust_remote_code=config.trust_remote_code
-            )
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust)
         return {name: list(p.shape) for name, p in model.named_parameters()}
 
     def log_errors(self, path):
@@ -557,13 +552,12 @@ class RolloutEngine:
         result_format="<result>{}</result>",
         tool_timeout=10.0,
     ):
-        self.engine, self.tools = engine, {"calc": calculator, **(tools or {})}
-        self.call_start, self.call_end, self.result_format, self.tool_timeout = (
-            call_start,
-            call_end,
-            result_format,
-            tool_timeout,
-        )
+        self.engine = engine
+        self.tools = {"calc": calculator, **(tools or {})}
+        self.call_start = call_start
+        self.call_end = call_end
+        self.result_format = result_format
+        self.tool_timeout = tool_timeout
         self.mcp = {}  # tool name -> (MCP client session, name of its argument)
         self.stack = AsyncExitStack()
 
@@ -578,10 +572,9 @@ class RolloutEngine:
         session = await self.stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
         for tool in (await session.list_tools()).tools:
-            self.mcp[tool.name] = (
-                session,
-                next(iter(tool.input_schema.get("properties", {"input": None}))),
-            )
+            # the name of the tool's one argument
+            argument = next(iter(tool.input_schema.get("properties", {"input": None})))
+            self.mcp[tool.name] = (session, argument)
         return sorted(self.mcp)
 
     async def close(self):
@@ -596,16 +589,13 @@ class RolloutEngine:
             if allowed is not None and name not in allowed:
                 return f"error: tool '{name}' is not available"
             if name in self.tools:
-                tool = self.tools[
-                    name
-                    # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a
-                    # thread
-                ]
-                call = (
-                    tool(argument)
-                    if asyncio.iscoroutinefunction(tool)
-                    else asyncio.to_thread(tool, argument)
-                )
+                tool = self.tools[name]
+                # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a
+                # thread
+                if asyncio.iscoroutinefunction(tool):
+                    call = tool(argument)
+                else:
+                    call = asyncio.to_thread(tool, argument)
                 return str(await asyncio.wait_for(call, self.tool_timeout))
             if name in self.mcp:
                 session, key = self.mcp[name]
@@ -630,33 +620,31 @@ class RolloutEngine:
         call_end=None,
         k=0,
     ) -> Episode:
-        """The `k`-th episode of `prompt` (with a seed, each k samples its own turns,
-        reproducibly)."""
-        call_start, call_end = call_start or self.call_start, call_end or self.call_end
+        """The `k`-th episode of `prompt`; with a seed, each k samples turns of its own."""
+        call_start = call_start or self.call_start
+        call_end = call_end or self.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-        ep = Episode(list(ids), [0] * len(ids), [None] * len(ids), [], [], "max_turns", [])
-        budget = max_episode_tokens  # tokens after the prompt: sampled and tool output
+        ep = Episode([], [], [], [], [], "max_turns", [])
+        ep.append(ids, logprobs=None)
         for turn in range(max_turns):
+            # the tokens left after the prompt, for sampled and tool output alike
+            budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
             p = params.clone()
-            p.n, p.max_tokens, p.include_stop_str_in_output = (
-                1,
-                min(params.max_tokens, budget),
-                True,
-            )
+            p.n = 1
+            p.max_tokens = min(params.max_tokens, budget)
+            p.include_stop_str_in_output = True
             p.stop = list(params.stop or []) + [call_end]
             p.seed = None if params.seed is None else params.seed + 1000 * k + turn
             [[c]] = await self.engine.generate([ep.token_ids], p)
             ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
-            ep.token_ids += c.token_ids  # exactly as sampled: never re-tokenised
-            ep.loss_mask += [1] * len(c.token_ids)
-            ep.logprobs += c.logprobs
-            ep.turns.append(
-                {"text": c.text, "version": c.version, "finish_reason": c.finish_reason}
-            )
-            text, budget = text + c.text, budget - len(c.token_ids)
+            # exactly as sampled: never re-tokenised
+            ep.append(c.token_ids, c.logprobs)
+            ep.turns.append(dict(text=c.text, version=c.version, finish_reason=c.finish_reason))
+            text += c.text
             if not c.text.endswith(call_end):
-                ep.finish_reason = c.finish_reason  # the model answered (or ran out of max_tokens)
+                # the model answered (or ran out of max_tokens)
+                ep.finish_reason = c.finish_reason
                 break
             call = text[: -len(call_end)].rpartition(call_start)[2].strip()
             name, _, argument = call.partition(" ")
@@ -664,32 +652,20 @@ class RolloutEngine:
             ep.tool_calls.append({"name": name, "argument": argument, "result": result})
             output = self.result_format.format(result)
             # tokenised once, here
-            out_ids = self.engine.tokenizer.encode(output, add_special_tokens=False)
-            ep.token_ids += out_ids
-            ep.loss_mask += [0] * len(out_ids)
-            ep.logprobs += [None] * len(out_ids)
-            text, budget = text + output, budget - len(out_ids)
-            if budget <= 0:
+            output_ids = self.engine.tokenizer.encode(output, add_special_tokens=False)
+            ep.append(output_ids, logprobs=None)
+            text += output
+            if len(ep.token_ids) - len(ids) >= max_episode_tokens:
                 ep.finish_reason = "budget"
                 break
         return ep
 
-    async def rollout(
-        self,
-        prompts,
-        params: SamplingParams,
-        max_turns=4,
-        max_episode_tokens=256,
-        tools=None,
-        call_start=None,
-        call_end=None,
-    ):
-        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode."""
+    async def rollout(self, prompts, params: SamplingParams, *options):
+        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:
+        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end)."""
         episodes = await asyncio.gather(
             *(
-                self.episode(
-                    prompt, params, max_turns, max_episode_tokens, tools, call_start, call_end, k
-                )
+                self.episode(prompt, params, *options, k=k)
                 for prompt in prompts
                 for k in range(params.n)
             )
