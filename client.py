@@ -230,14 +230,12 @@ def fill_bucket(buffer, bucket, tensors):
 
 
 def unpack(buffer: torch.Tensor, params):
-    """Views into one received bucket: [(name, tensor)] for params [{name, dtype, shape,
+    """Views into one received bucket: yields (name, tensor) for params [{name, dtype, shape,
     offset}]."""
-    named = []
     for p in params:
         dtype = DTYPES[p["dtype"]]
         end = p["offset"] + math.prod(p["shape"]) * dtype.itemsize
-        named.append((p["name"], buffer[p["offset"] : end].view(dtype).view(p["shape"])))
-    return named
+        yield p["name"], buffer[p["offset"] : end].view(dtype).view(p["shape"])
 
 
 # -- the client ------------------------------------------------------------------------------------
@@ -268,9 +266,18 @@ class RemoteFuture:
         self.client.abort(self.request_id)
 
 
-class Client(contextlib.AbstractContextManager):
-    """`with Client(url) as client:` aborts the requests it submitted and never fetched if the
-    block raises (a trainer that fails mid-step leaves nothing generating on the server)."""
+class AbortsOnError(contextlib.AbstractContextManager):
+    """`with Client(url) as client:` (or a Router) aborts the requests it submitted and never
+    fetched if the block raises (a trainer that fails mid-step leaves nothing generating on the
+    server)."""
+
+    def __exit__(self, kind, error, traceback):
+        if error is not None:
+            self.abort_pending()
+
+
+class Client(AbortsOnError):
+    """One server's client: generation, tool episodes, the trainer's side of weight sync."""
 
     def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0, api_key=None):
         """`api_key` (default: $VLLM_API_KEY) for a server started with --api-key. Nothing is
@@ -285,10 +292,6 @@ class Client(contextlib.AbstractContextManager):
         self.group, self.transport, self.spec, self.dtype = None, None, None, None
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
-
-    def __exit__(self, kind, error, traceback):
-        if error is not None:
-            self.abort_pending()
 
     def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
         """The answer's JSON; with `stream`, the response itself, to read as it comes."""
@@ -384,25 +387,24 @@ class Client(contextlib.AbstractContextManager):
         """Long-poll /get_future, in slices of at most 60 s, until one of `request_ids` is done:
         (its id, its result, its timing), or with `every`, a list of those for all of them that
         are done by then. A result is [[Completion]], [[Episode]] or, for an update, a dict."""
-        deadline, waited = self.timeout if timeout is None else timeout, 0.0
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         body = {"request_ids": request_ids} if every else {"request_id": request_ids[0]}
         while True:
-            wait = min(60.0, max(deadline - waited, 0.0))
+            wait = min(60.0, max(deadline - time.monotonic(), 0.0))
             try:
                 reply = self._request("POST", "/get_future", {**body, "timeout": wait}, wait + 30)
                 break
             except ServerError as e:
-                waited += wait
-                if e.status != 408 or waited >= deadline:
+                # 408: not done within this slice
+                if e.status != 408 or time.monotonic() >= deadline:
                     raise
         done = []
         for r in reply.get("results", [reply]):
             self.pending.pop(r["request_id"], None)
-            result = (
-                [[Episode(**e) for e in per] for per in r["episodes"]]
-                if "episodes" in r
-                else [[Completion(**c) for c in per] for per in r["completions"]]
-            )
+            if "episodes" in r:
+                result = [[Episode(**e) for e in per] for per in r["episodes"]]
+            else:
+                result = [[Completion(**c) for c in per] for per in r["completions"]]
             done.append((r["request_id"], result, r.get("timing")))
         return done if every else done[0]
 
@@ -492,8 +494,7 @@ class Client(contextlib.AbstractContextManager):
             buckets[0][0]["handle"] = share_cuda(buffer)
         # an error status here means nothing was sent, and the group stays as it is
         body = {"buckets": [b for b, _ in buckets], "mode": mode, "version": version}
-        answer = self._request("POST", "/update_weights", body, stream=True)
-        with answer:
+        with self._request("POST", "/update_weights", body, stream=True) as answer:
             try:
                 lines = answer.iter_lines()
                 # {"receiving": true}: the workers receive
@@ -563,7 +564,7 @@ def server_lost(e):
 
 
 # -- several servers -------------------------------------------------------------------------------
-class Router(contextlib.AbstractContextManager):
+class Router(AbortsOnError):
     """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`.
     Each request goes to the live server with the fewest of our prompts pending (a step's split
     prompts one by one); a /rollout episode runs whole on one server; an OpenAI session's calls go
@@ -584,10 +585,6 @@ class Router(contextlib.AbstractContextManager):
         self.live = list(self.clients)
         self.version = 0  # the version every live server serves, once weight sync is set up
         self.sessions = {}  # X-Session-ID -> the Client of its server
-
-    def __exit__(self, kind, error, traceback):
-        if error is not None:
-            self.abort_pending()
 
     def abort_pending(self):
         for client in self.clients:
