@@ -12,7 +12,10 @@
 
 Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
 no copy through the host), `nccl` when they are on another GPU, `gloo` when they are on the CPU.
-engine.py imports the payloads and the weight-group code from here: a trainer needs no vLLM.
+The weight wire format lives here, both ends of it: the group (`weight_group`, `broadcast`,
+`wait_broadcast`, `close_group`), the packed buckets (`pack`, `fill_bucket`, `unpack`) and CUDA IPC
+handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server's workers
+(engine.WeightSyncWorker) read it from here too, so that a trainer needs no vLLM.
 """
 
 import base64
@@ -259,7 +262,7 @@ class RemoteFuture:
 
     def result(self, timeout=None):
         """Wait (long-polling the server in slices of at most 60 s) and return the result."""
-        _, result, self.timing = self.client._wait([self.request_id], timeout)
+        _, result, self.timing = self.client._collect([self.request_id], timeout)
         return result
 
     def abort(self):
@@ -372,18 +375,18 @@ class Client(AbortsOnError):
         return future if is_async else future.result()
 
     def get_future(self, request_id, timeout=None):
-        return self._wait([request_id], timeout)[1]
+        return self._collect([request_id], timeout)[1]
 
     def as_completed(self, futures, timeout=None):
         """Yield (future, result) in the order the server finishes them, not the order given."""
         remaining = {f.request_id: f for f in futures}
         while remaining:
-            for request_id, result, timing in self._wait(list(remaining), timeout, every=True):
+            for request_id, result, timing in self._collect(list(remaining), timeout, every=True):
                 future = remaining.pop(request_id)
                 future.timing = timing
                 yield future, result
 
-    def _wait(self, request_ids, timeout=None, every=False):
+    def _collect(self, request_ids, timeout=None, every=False):
         """Long-poll /get_future, in slices of at most 60 s, until one of `request_ids` is done:
         (its id, its result, its timing), or with `every`, a list of those for all of them that
         are done by then. A result is [[Completion]], [[Episode]] or, for an update, a dict."""
@@ -466,7 +469,7 @@ class Client(AbortsOnError):
             close_group(self.group)
         self.group, self.transport, self.buffers = None, None, [None, None]
 
-    def _buffer(self, slot, size):
+    def _send_buffer(self, slot, size):
         """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
         if self.buffers[slot] is None or self.buffers[slot].numel() < size:
             self.buffers[slot] = None  # free the old one first
@@ -488,7 +491,7 @@ class Client(AbortsOnError):
         named = self._named_tensors(model)
         buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20)
         if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
-            buffer = self._buffer(0, buckets[0][0]["size"])
+            buffer = self._send_buffer(0, buckets[0][0]["size"])
             fill_bucket(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             buckets[0][0]["handle"] = share_cuda(buffer)
@@ -498,14 +501,14 @@ class Client(AbortsOnError):
             try:
                 lines = answer.iter_lines()
                 # {"receiving": true}: the workers receive
-                read_line(lines)
+                read_json_line(lines)
                 start = time.perf_counter()
                 # ipc: nothing to send
                 if self.transport != "ipc":
                     self._send_buckets(buckets)
                 # packing and sending every bucket
                 send_s = time.perf_counter() - start
-                result = read_line(lines)
+                result = read_json_line(lines)
                 if "error" in result:
                     raise ServerError(result["status"], result["error"])
             except Exception:
@@ -523,7 +526,7 @@ class Client(AbortsOnError):
             if sending[i % 2] is not None:
                 # its buffer is ours again (NCCL: the copies into it wait on the stream)
                 sending[i % 2][0].wait()
-            buffer = self._buffer(i % 2, bucket["size"])
+            buffer = self._send_buffer(i % 2, bucket["size"])
             fill_bucket(buffer, bucket, tensors)
             sending[i % 2] = (self.group.broadcast([buffer], dist.BroadcastOptions()), buffer)
         for work in filter(None, sending):
@@ -544,7 +547,7 @@ class Client(AbortsOnError):
         ]
 
 
-def read_line(lines):
+def read_json_line(lines):
     """The next JSON line of an answer read as it comes (/update_weights)."""
     try:
         return json.loads(next(lines))

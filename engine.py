@@ -5,10 +5,11 @@
 
 In reading order:
 1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
-   it.
-   `update_weights` closes the gate, drains, loads, bumps the version and reopens: no completion
-   mixes two. An update is atomic: it bumps the version, or keeps the old weights and version, or
-   the engine fails for good and the server exits.
+   it. `update_weights` runs an update in its phases: `paused` closes the gate and drains (or
+   pauses) the requests in flight; `load` has every worker receive the buckets, then load them;
+   `bump` labels the new version; leaving `paused` reopens the gate. An update is atomic: it bumps
+   the version, or keeps the old weights and version, or the engine fails for good and the server
+   exits.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -95,18 +96,20 @@ class Engine:
 
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
         """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
-        await self.gate.wait()  # a weight update is loading: wait, then run on the new version
+        # a weight update is loading: wait, then run on the new version
+        await self.gate.wait()
         # Nothing may await between the gate and the in-flight count: an update clears the gate and
         # then waits for in_flight == 0, so a request that passed the gate must already be counted
         # when the update looks, or it would generate on half-loaded weights.
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
-        sampling = final_only(params)
+        sampling = final_output_params(params)
         tasks = [asyncio.ensure_future(self._one(p, sampling, priority, version)) for p in prompts]
         try:
             outputs = await asyncio.gather(*tasks)
-        except BaseException:  # one prompt failed or the caller gave up: abort the others too
+        # one prompt failed or the caller gave up: abort the others too
+        except BaseException:
             for t in tasks:
                 t.cancel()
             raise
@@ -122,6 +125,7 @@ class Engine:
         ]
 
     async def _one(self, prompt, params, priority, version):
+        """One prompt's request to vLLM, admitted at weights `version`: its finished output."""
         prompt = (
             {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
         )
@@ -144,7 +148,9 @@ class Engine:
                      and nothing was sent): no completion mixes two versions;
           in-flight  stop where they are, and go on after the update with the new weights: their
                      KV is computed again, so each token after it is the new weights' own, and
-                     each completion carries the version of every token (`versions`)."""
+                     each completion carries the version of every token (`versions`).
+        A caller that can speak to the trainer between the phases may run them itself:
+        `async with engine.paused(...)`, tell the trainer to send, `await engine.load(...)`."""
         async with self.paused(mode, drain_timeout, weight_sync_timeout) as drain_s:
             # the workers are told to receive next: the trainer may send
             ready.set_result(None)
@@ -210,13 +216,13 @@ class Engine:
                 "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
             )
         except Exception as e:
-            self.fail(f"a worker did not answer the update: {e!r}")
+            self.fail_for_good(f"a worker did not answer the update: {e!r}")
         missed = [a["receive_error"] for a in answers if "receive_error" in a]
         if len(missed) == len(answers):
             raise ConnectionError(f"the new weights did not arrive: {missed[0]}")
         failed = missed + [a["load_error"] for a in answers if "load_error" in a]
         if failed:
-            self.fail(f"a worker failed to load its weights: {failed[0]}")
+            self.fail_for_good(f"a worker failed to load its weights: {failed[0]}")
         rpc_s = time.perf_counter() - start
         await self.bump(max(self.version + 1, version), paused, timeout)
         reset_s = time.perf_counter() - start - rpc_s
@@ -236,7 +242,7 @@ class Engine:
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")
             tokens_so_far = await asyncio.wait_for(track_versions(self.llm, version), timeout)
         except Exception as e:
-            self.fail(
+            self.fail_for_good(
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             )
         self.version = version
@@ -245,7 +251,7 @@ class Engine:
         async with self.new_version:
             self.new_version.notify_all()
 
-    def fail(self, why):
+    def fail_for_good(self, why):
         self.load_error = f"weights possibly mixed by a failed update: {why}"
         raise RuntimeError(self.load_error)
 
@@ -295,7 +301,7 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
     )
 
 
-def final_only(params: SamplingParams) -> SamplingParams:
+def final_output_params(params: SamplingParams) -> SamplingParams:
     """Ask vLLM for the finished output only, with the logprob of every sampled token."""
     params = params.clone()
     params.output_kind = RequestOutputKind.FINAL_ONLY
