@@ -274,7 +274,7 @@ class AbortsOnError(contextlib.AbstractContextManager):
     fetched if the block raises (a trainer that fails mid-step leaves nothing generating on the
     server)."""
 
-    def __exit__(self, kind, error, traceback):
+    def __exit__(self, error_type, error, traceback):
         if error is not None:
             self.abort_pending()
 

@@ -723,9 +723,9 @@ def openai_events(answer, chat):
     for choice in answer["choices"]:
         if chat:
             choice["delta"] = choice.pop("message")
-    kind = "chat.completion.chunk" if chat else "text_completion"
+    object_type = "chat.completion.chunk" if chat else "text_completion"
     events = "".join(
-        f"data: {json.dumps({**answer, 'object': kind, 'choices': [c]})}\n\n"
+        f"data: {json.dumps({**answer, 'object': object_type, 'choices': [c]})}\n\n"
         for c in answer["choices"]
     )
     return web.Response(

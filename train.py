@@ -890,15 +890,15 @@ def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
     return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
 
 
-def optimizer_step(model, opt, s, cfg):
-    lead("step", {"tokens": s["tokens"], "train": []})
+def optimizer_step(model, opt, stats, cfg):
+    lead("step", {"tokens": stats["tokens"], "train": []})
     # the loss normalisation: divide the summed gradient by every completion token of the step
     # (under torchrun FSDP has averaged the ranks' gradients: hence tokens / ranks)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    with timed(s["train"]):
+    with timed(stats["train"]):
         for p in (p for p in model.parameters() if p.grad is not None):
-            p.grad /= max(s["tokens"], 1) / ranks
-        s["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+            p.grad /= max(stats["tokens"], 1) / ranks
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(
             model.parameters(), cfg.max_grad_norm
         ).item()
         opt.step()
@@ -920,18 +920,18 @@ def finish_run(cfg, client, held_out, history):
     print(f"outputs in {cfg.out}")
 
 
-def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
+def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
     (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
     rest of the step, when the trainer waited for samples."""
-    gen_s = max(b for _, b in s["gen"]) - min(a for a, _ in s["gen"])
-    train_s = sum(b - a for a, b in s["train"])
-    sync_s = s["sync"][0][1] - s["sync"][0][0]
+    gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
+    train_s = sum(b - a for a, b in stats["train"])
+    sync_s = stats["sync"][0][1] - stats["sync"][0][0]
     step_s = time.time() - t_step
-    rewards = s["rewards"]
+    rewards = stats["rewards"]
     groups = rewards.view(-1, cfg.group_size)
     # no stale samples: weight 1, none clipped
-    w = s["is_weights"] if len(s["is_weights"]) else torch.ones(1)
+    w = stats["is_weights"] if len(stats["is_weights"]) else torch.ones(1)
     row = {
         "step": step,
         "reward": rewards.mean().item(),
@@ -940,22 +940,22 @@ def step_metrics(step, s, cfg, version, t_step, t_run, evaluation=None):
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
         "schedule": cfg.schedule,
-        "grad_norm": s["grad_norm"],
-        "tokens": s["tokens"],
+        "grad_norm": stats["grad_norm"],
+        "tokens": stats["tokens"],
         "gen_s": gen_s,
         "train_s": train_s,
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
         "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
-        "staleness": s["staleness"].float().mean().item(),
-        "staleness_max": int(s["staleness"].max()),
+        "staleness": stats["staleness"].float().mean().item(),
+        "staleness_max": int(stats["staleness"].max()),
         "is_weight_mean": w.mean().item(),
         "is_weight_max": w.max().item(),
-        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(s["is_weights"]) else 0.0,
-        **mismatch_metrics(s["logprob_deltas"]),
+        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(stats["is_weights"]) else 0.0,
+        **mismatch_metrics(stats["logprob_deltas"]),
         "intervals": {
-            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in s[k]]
+            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in stats[k]]
             for k in ("gen", "train", "sync")
         },
     }
