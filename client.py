@@ -292,7 +292,12 @@ class Client(AbortsOnError):
         self.http = requests.Session()
         # ids submitted and not yet fetched -> their number of prompts (a Router's load measure)
         self.pending = {}
-        self.group, self.transport, self.spec, self.dtype = None, None, None, None
+        # set by init_communicator: the weight group, its transport, the server's parameters
+        # (names, shapes) and its dtype
+        self.group = None
+        self.transport = None
+        self.spec = None
+        self.dtype = None
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
 

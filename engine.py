@@ -56,7 +56,8 @@ class Engine:
     """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
 
     def __init__(self, args: AsyncEngineArgs):
-        self.llm, self.args = AsyncLLM.from_engine_args(args), args
+        self.args = args
+        self.llm = AsyncLLM.from_engine_args(args)
         self.version = 0  # weights loaded at start
         self.in_flight = 0  # prompts admitted to vLLM and not finished
         self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
@@ -378,7 +379,14 @@ class WeightSyncWorker:
     that exists before a server starts and after it restarts, so it hosts the group's store, and
     it is the root of every broadcast (weights only ever flow from trainer to workers)."""
 
-    transport, group, ipc_buffers, loads = None, None, [], 0
+    # "ipc", "nccl" or "gloo" once the trainer set weight sync up
+    transport = None
+    # the weight group (nccl, gloo)
+    group = None
+    # the trainer's buffers, opened once (ipc)
+    ipc_buffers = []
+    # loads since the worker started
+    loads = 0
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()

@@ -334,7 +334,8 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """(prompts, G) rewards -> advantages normalised within each group. A group whose rewards are
     all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
     `backward` can skip it."""
-    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
     equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return torch.where(equal, 0.0, (rewards - mean) / (std + 1e-4))
 
