@@ -90,17 +90,10 @@ from client import (  # noqa: E402
     tiny_model,
     weight_group,
 )
+from shapes import QWEN25_05B  # noqa: E402
 
 # how train.py starts its server on a GPU (its --gpu-memory-utilization default), compiled
 DEMO_GPU_FLAGS = ("--gpu-memory-utilization", "0.3")
-QWEN25_05B = dict(
-    hidden_size=896,
-    num_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-)
 
 
 def init_group(host, port, rank, world_size, device="cpu"):
@@ -318,14 +311,16 @@ def launch_gpu_server(path):
     )
 
 
+def qwen25_05b_shaped():
+    """The folder of a random Qwen2.5-0.5B-shaped model in bfloat16 (built once)."""
+    path = os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape")
+    return tiny_model(path, dtype="bfloat16", **QWEN25_05B)
+
+
 def cuda_main(a):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model(
-        path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"),
-        dtype="bfloat16",
-        **QWEN25_05B,
-    )
+    path = qwen25_05b_shaped()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
     # the tied lm_head is listed once, as the client sends it
     named = list(model.named_parameters())
@@ -390,11 +385,7 @@ def two_gpu_main(a):
         f"cuda:1 {torch.cuda.get_device_name(1)} (the trainer, every sender)",
         flush=True,
     )
-    path = tiny_model(
-        path=os.path.join(ROOT, ".cache", "bench-qwen2.5-0.5b-shape"),
-        dtype="bfloat16",
-        **QWEN25_05B,
-    )
+    path = qwen25_05b_shaped()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(trainer)
     # the tied lm_head is listed once, as the client sends it
     named = list(model.named_parameters())
