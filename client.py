@@ -269,6 +269,32 @@ class RemoteFuture:
         self.client.abort(self.request_id)
 
 
+class GatheredFuture:
+    """One batch spread over several servers (Router.generate): `parts` are [(the batch's indices
+    of a server's prompts, that server's RemoteFuture)]; `result()` is the batch's, in its order."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.timing = None
+
+    def result(self, timeout=None):
+        results = {}
+        for indices, future in self.parts:
+            results.update(zip(indices, future.result(timeout)))
+        timings = [future.timing for _, future in self.parts]
+        # the batch on every server: queued and started with the first, finished with the last
+        self.timing = {
+            "queued": min(t["queued"] for t in timings),
+            "started": min(t["started"] for t in timings),
+            "finished": max(t["finished"] for t in timings),
+        }
+        return [results[i] for i in range(len(results))]
+
+    def abort(self):
+        for _, future in self.parts:
+            future.abort()
+
+
 class AbortsOnError(contextlib.AbstractContextManager):
     """`with Client(url) as client:` (or a Router) aborts the requests it submitted and never
     fetched if the block raises (a trainer that fails mid-step leaves nothing generating on the
@@ -561,14 +587,29 @@ def read_json_line(lines):
 
 
 def server_lost(e):
-    """Errors after which a server may come back: unreachable, restarted (it no longer knows our
-    request ids, 404, or has no weight sync set up, 409), or failing (502-504). Another 4xx is our
-    own mistake, and a 500 a failure that would come again (a weight load that failed: the server
-    exits): both are raised. A server whose engine died says so, with the cause: waiting will not
-    bring it back, so the run stops."""
+    """Errors after which we set weight sync up with a server anew, once it answers: unreachable,
+    restarted (it no longer knows our request ids, 404, or has no weight sync set up, 409), or its
+    weight group broken (a transfer failed, 502, or could not be set up, 504). A busy server (503:
+    an update's drain outlasted --drain-timeout, nothing was sent) is not lost: push_until_done
+    asks it again. Another 4xx is our own mistake, and a 500 a failure that would come again (a
+    weight load that failed: the server exits): both are raised. A server whose engine died says
+    so, with the cause: waiting will not bring it back, so the run stops."""
     if getattr(e, "engine_dead", False):
         raise RuntimeError(f"the server's engine died: {e.message}") from None
-    return not isinstance(e, ServerError) or e.status in (404, 409) or e.status > 500
+    return not isinstance(e, ServerError) or e.status in (404, 409, 502, 504)
+
+
+def push_until_done(client, model, **options):
+    """client.update_model_params, asked again while the server is busy (503: requests were still
+    in flight after its --drain-timeout, and nothing was sent) and still answers /health. The
+    requests in flight end within their max_tokens, so the drain does too."""
+    while True:
+        try:
+            return client.update_model_params(model, **options)
+        except ServerError as e:
+            if e.status != 503 or e.engine_dead:
+                raise
+            client.health()
 
 
 # -- several servers -------------------------------------------------------------------------------
@@ -606,17 +647,21 @@ class Router(AbortsOnError):
         return min(self.live, key=lambda c: sum(c.pending.values()) + len(placed.get(c, ())))
 
     def generate(self, prompts, is_async=False, **sampling):
-        """Client.generate on the least-loaded server; with split_prompts, each prompt on the
-        server that is least loaded once the prompts before it are placed."""
-        if not sampling.get("split_prompts"):
-            return self.least_loaded().generate(prompts, is_async=is_async, **sampling)
+        """Client.generate with the prompts spread over the live servers: each prompt goes to the
+        server least loaded once the prompts before it are placed. One request per server, collected
+        as one GatheredFuture; with split_prompts, one request per prompt."""
         placed = {}  # Client -> the indices of its prompts
         for i in range(len(prompts)):
             placed.setdefault(self.least_loaded(placed), []).append(i)
-        futures = {}
+        parts = []
         for client, indices in placed.items():
-            futures.update(zip(indices, client.generate([prompts[i] for i in indices], **sampling)))
-        return [futures[i] for i in range(len(prompts))]
+            own = [prompts[i] for i in indices]
+            parts.append((indices, client.generate(own, is_async=True, **sampling)))
+        if sampling.get("split_prompts"):
+            futures = {i: f for indices, fs in parts for i, f in zip(indices, fs)}
+            return [futures[i] for i in range(len(prompts))]
+        future = GatheredFuture(parts)
+        return future if is_async else future.result()
 
     def rollout(self, prompts, **options):
         return self.least_loaded().rollout(prompts, **options)
@@ -679,12 +724,9 @@ class Router(AbortsOnError):
         """Push to every live server, after re-admitting the dropped ones that answer again; all
         then serve version self.version + 1. A server lost meanwhile is dropped."""
         self.live += [c for c in self.clients if c not in self.live and self._admit(c)]
-        version = self.version + 1
+        options["version"] = self.version + 1
         with ThreadPoolExecutor(max(len(self.live), 1)) as pool:
-            pushes = [
-                pool.submit(c.update_model_params, model, version=version, **options)
-                for c in self.live
-            ]
+            pushes = [pool.submit(self._push, c, model, options) for c in self.live]
         errors = [push.exception() for push in pushes]
         for error in errors:
             if error is not None and not server_lost(error):
@@ -692,8 +734,19 @@ class Router(AbortsOnError):
         self.live = [c for c, error in zip(self.live, errors) if error is None]
         if not self.live:
             raise ConnectionError(f"every server was lost during the update: {errors}")
-        self.version = version
-        return version
+        self.version = options["version"]
+        return self.version
+
+    def _push(self, client, model, options):
+        """One server's push: a busy server is asked again (push_until_done); after a failed
+        transfer (502) weight sync is set up anew and the push made once more."""
+        try:
+            return push_until_done(client, model, **options)
+        except ServerError as e:
+            if e.status != 502:
+                raise
+        client.init_communicator(**self.sync)
+        return push_until_done(client, model, **options)
 
     def close_communicator(self):
         for client in self.live:
@@ -810,14 +863,22 @@ def tiny_model(
 
 
 def save_model(model, tokenizer, path, extra=None, state_dict=None):
-    """save_pretrained into `path`, replacing what is there only once all is written: a half-written
-    model is never found. `extra`: {file name: object} saved beside it with torch.save;
-    `state_dict`: the weights to save, if not the model's own."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
+    """save_pretrained into a new folder beside `path`, then make `path` (a symbolic link) point at
+    it in one rename, and remove the folder it pointed at before: whenever the process dies,
+    `path` holds the old model or the new one, whole. `extra`: {file name: object} saved beside it
+    with torch.save; `state_dict`: the weights to save, if not the model's own."""
+    folder = f"{path}.{time.time_ns()}"
+    model.save_pretrained(folder, state_dict=state_dict)
+    tokenizer.save_pretrained(folder)
     for name, obj in (extra or {}).items():
-        torch.save(obj, os.path.join(tmp, name))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+        torch.save(obj, os.path.join(folder, name))
+    if os.path.isdir(path) and not os.path.islink(path):
+        # a folder where the link goes: saved before links were used
+        shutil.rmtree(path)
+    old = os.path.realpath(path) if os.path.islink(path) else None
+    link = f"{folder}.link"
+    os.symlink(os.path.basename(folder), link)
+    # rename(2) replaces the link atomically
+    os.replace(link, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

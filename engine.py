@@ -106,7 +106,11 @@ class Engine:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
         sampling = final_output_params(params)
-        tasks = [asyncio.ensure_future(self._one(p, sampling, priority, version)) for p in prompts]
+        request_ids = [uuid.uuid4().hex for _ in prompts]
+        tasks = [
+            asyncio.ensure_future(self._one(p, sampling, priority, version, request_id))
+            for p, request_id in zip(prompts, request_ids)
+        ]
         try:
             outputs = await asyncio.gather(*tasks)
         # one prompt failed or the caller gave up: abort the others too
@@ -116,16 +120,17 @@ class Engine:
             raise
         finally:
             self.in_flight -= len(prompts)
+            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too
+            marks = [self.marks.pop(request_id, {}) for request_id in request_ids]
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
-        marks = [self.marks.pop(out.request_id, {}) for out in outputs]
         return [
             [completion(c, params.logprobs, version, m) for c in sorted(out.outputs, key=by_index)]
             for out, m in zip(outputs, marks)
         ]
 
-    async def _one(self, prompt, params, priority, version):
+    async def _one(self, prompt, params, priority, version, request_id):
         """One prompt's request to vLLM, admitted at weights `version`: its finished output."""
         prompt = (
             {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
@@ -133,7 +138,7 @@ class Engine:
         # vLLM's prefix cache keyed by weight version: no request reuses the KV of other weights
         prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions
-        stream = self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, priority=priority)
+        stream = self.llm.generate(prompt, params, request_id=request_id, priority=priority)
         outputs = [out async for out in stream]
         return outputs[-1]
 
@@ -172,8 +177,8 @@ class Engine:
                 else:
                     # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
                     # requests in flight where they are, then sleeps 20 ms so that outputs already
-                    # sent are processed first. Nothing here needs that (track_versions is read
-                    # after the load), so we ask its engine core; resume_generation() undoes it.
+                    # sent are likely processed. We ask its engine core, and track_versions waits
+                    # for those outputs where it needs them; resume_generation() undoes the pause.
                     pause = self.llm.engine_core.pause_scheduler_async(
                         mode="keep", clear_cache=False
                     )
@@ -342,8 +347,39 @@ async def track_versions(llm, version):
     if hasattr(llm, "update_weight_version"):
         await llm.update_weight_version(str(version))
         return {}
+    await outputs_processed(llm)
     states = llm.output_processor.request_states.values()
     return {(r.external_req_id, r.request_index): r.detokenizer.num_output_tokens() for r in states}
+
+
+async def outputs_processed(llm):
+    """vLLM 0.26: return once AsyncLLM's output handler has processed every output that the engine
+    core sent before now. The core client resolves a utility call (the pause) the moment its
+    answer arrives, while the outputs sent before it may still wait in the client's queue, so the
+    token counts read after a pause may lag. The handler takes that queue in order, one item at a
+    time: once it takes a marker put behind them, they are processed, and a request finished
+    meanwhile has left request_states."""
+    taken = asyncio.get_running_loop().create_future()
+    llm.engine_core.outputs_queue.put_nowait(QueueMarker(taken))
+    await taken
+
+
+class QueueMarker:
+    """An empty EngineCoreOutputs to vLLM 0.26's output handler, which resolves `taken` as the
+    handler reads it: the fields it reads, and no outputs."""
+
+    timestamp = 0.0
+    scheduler_stats = None
+    engine_index = 0
+
+    def __init__(self, taken):
+        self.taken = taken
+
+    @property
+    def outputs(self):
+        if not self.taken.done():
+            self.taken.set_result(None)
+        return []
 
 
 def check_encodable(params: SamplingParams):

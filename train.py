@@ -45,11 +45,13 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import (
+    DTYPES,
     Client,
     Episode,
     Router,
     ServerError,
     launch_server,
+    push_until_done,
     save_model,
     server_lost,
     stop_server,
@@ -86,6 +88,10 @@ class Config:
       nothing is in flight at a push).
     --mismatch-warning: warn at the first step if the mean |trainer - server| logprob of the
       sampled tokens exceeds this (the tiny model: ~1e-6 in float32, 0.01 with a bfloat16 server).
+    --mismatch-every K: at the first step and every K steps, the trainer also computes the
+      logprobs of the samples it skips (groups whose rewards are all equal), so that mismatch_*
+      and is_weight_* cover every sampled token of the step, on every rank; other steps measure
+      the tokens trained on.
     --eval-*: held-out prompts, taken from the data and never trained on, scored with the task's
       reward: pass@k for k = 1, 2, 4, ... <= --eval-n."""
 
@@ -129,6 +135,7 @@ class Config:
     update_mode: str = flag("drain", "a push and the requests in flight", ["drain", "in-flight"])
     is_cap: float = flag(2.0, "cap of the importance weights of stale tokens (TIS)")
     mismatch_warning: float = flag(0.05, "mean trainer-server logprob difference that warns")
+    mismatch_every: int = flag(10, "measure the mismatch on every sample every K steps", at_least=1)
     # evaluation
     eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
     eval_every: int = flag(0, "evaluate every K steps and at the end (0: never)", at_least=0)
@@ -163,6 +170,10 @@ class Config:
             raise ValueError(tokenizer_missing(self.model))
         if self.server_url and self.server_args:
             raise ValueError("--server-args is for a server train.py starts")
+        if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"--device {self.device} under torchrun: use cuda (rank r on GPU r) or cpu"
+            )
         reward_function(self)
         if self.resume:
             self.out = self.resume
@@ -640,7 +651,7 @@ def train(cfg: Config, client: Client, data=None):
     model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
     start, queued_rows, history = start_run(cfg, opt, rng, data)
     # the server samples from exactly our weights
-    rollouts = Rollouts(client, cfg, full_weights(model), queued_rows)
+    rollouts = Rollouts(client, cfg, full_weights(model, DTYPES.get(cfg.dtype)), queued_rows)
     os.makedirs(cfg.out, exist_ok=True)
     t_run = time.time()
     # `with client`: if anything below raises, the requests still generating are aborted
@@ -661,7 +672,8 @@ def train(cfg: Config, client: Client, data=None):
             ahead = min(cfg.max_staleness, cfg.steps - 1 - step)
             while len(rollouts.queue) <= ahead:
                 rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
-            stats = step_gradient(rollouts, model, tok)
+            measure_all = step == start or step % cfg.mismatch_every == 0
+            stats = step_gradient(rollouts, model, tok, measure_all)
             optimizer_step(model, opt, stats, cfg)
             # on-policy: step s+1 is submitted now, and the server holds it until our push lands
             sampled_version = rollouts.version
@@ -670,7 +682,7 @@ def train(cfg: Config, client: Client, data=None):
                 # if the server is lost meanwhile, it is reconnected and the next step submits
                 rollouts.unless_lost(rollouts.submit_queued, rollouts.version + 1)
             with timed(stats["sync"]):
-                rollouts.unless_lost(rollouts.push, full_weights(model))
+                rollouts.unless_lost(rollouts.push, full_weights(model, DTYPES.get(cfg.dtype)))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, model, tok, opt, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
@@ -757,15 +769,7 @@ class Rollouts:
         server's 503 says that requests were still in flight after --drain-timeout and nothing
         was sent, and we push again, as long as it takes."""
         self.weights = weights
-        while True:
-            try:
-                pushed = self.client.update_model_params(weights, mode=self.cfg.update_mode)
-                break
-            except ServerError as e:
-                if e.status != 503:
-                    raise
-                # one that does not answer is lost
-                self.client.health()
+        pushed = push_until_done(self.client, weights, mode=self.cfg.update_mode)
         if pushed != self.version + 1:
             raise RuntimeError(
                 f"one push took the server's weights from version {self.version} to {pushed}: "
@@ -774,11 +778,11 @@ class Rollouts:
         self.version = pushed
 
 
-def step_gradient(rollouts, model, tok):
+def step_gradient(rollouts, model, tok, measure_all):
     """Accumulate the gradient of the oldest queued step (accumulate_step); if the server is lost
     meanwhile, reconnect, submit again and start over (at most 3 times). Returns its statistics."""
     for _ in range(3):
-        stats = rollouts.unless_lost(accumulate_step, rollouts, model, tok)
+        stats = rollouts.unless_lost(accumulate_step, rollouts, model, tok, measure_all)
         if stats is not None:
             rollouts.queue.popleft()
             return stats
@@ -795,9 +799,10 @@ def timed(intervals):
     intervals.append([start, time.time()])
 
 
-def accumulate_step(rollouts, model, tok):
+def accumulate_step(rollouts, model, tok, measure_all):
     """Submit the queued steps not submitted yet; collect the oldest one's samples (with the
-    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands. Drain
+    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands;
+    `measure_all`: compute the logprobs of the skipped samples too (backward). Drain
     updates: every token of a step submitted `staleness` pushes ago is that many versions behind
     ours (in flight, at most that many), or the run stops. Returns the step's rewards, tokens,
     per-token staleness, importance weights, trainer-minus-server logprobs, and the intervals
@@ -836,7 +841,9 @@ def accumulate_step(rollouts, model, tok):
             rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
-            n, w, d = backward_share(model, cfg, seqs, advantages, version, tok.pad_token_id)
+            n, w, d = backward_share(
+                model, cfg, seqs, advantages, version, tok.pad_token_id, measure_all
+            )
             stats["tokens"] += n
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
@@ -847,11 +854,12 @@ def accumulate_step(rollouts, model, tok):
     return stats | {key: torch.cat(values) for key, values in tensors.items()}
 
 
-def backward(model, seqs, advantages, version, cfg, pad_id):
+def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
     """Accumulate the policy gradient of `seqs` (advantages (B,)) on our weights `version`,
     --train-micro-batch sequences per forward/backward: any split gives the same summed gradient.
     Returns the number of completion tokens, the stale tokens' importance weights, and trainer
-    minus server logprob of each sampled token from the current weights (for mismatch_metrics)."""
+    minus server logprob of each sampled token from the current weights (for mismatch_metrics):
+    of the samples trained on, or with `measure_all` of every sample."""
     # every completion token counts in the step's divisor: the skipped samples' below too
     tokens = sum(sum(seq["mask"][1:]) for seq in seqs)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
@@ -859,29 +867,41 @@ def backward(model, seqs, advantages, version, cfg, pad_id):
     # step's summed and normalised gradient is the one it would be without the skip.
     # (not under torchrun: there every rank must run as many forward/backward passes as the others,
     # FSDP's gathers being collective)
-    keep = ((advantages != 0) | dist.is_initialized()).nonzero().flatten()
-    seqs = [seqs[i] for i in keep]
-    advantages = advantages[keep]
+    trained = (advantages != 0) | dist.is_initialized()
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
-    size = cfg.train_micro_batch or max(len(seqs), 1)
-    for i in range(0, len(seqs), size):
-        chunk = slice(i, i + size)
-        part = seqs[chunk]
-        column = {key: [seq[key] for seq in part] for key in ("ids", "mask", "logprobs")}
-        batch = make_batch(
-            [[]] * len(part), column["ids"], pad_id, column["mask"], column["logprobs"]
-        )
-        versions = [torch.tensor(x["versions"]) for x in part]
-        # (b, T-1) True where weights older than ours sampled the target token
-        stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
-        with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
-            logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
-        old, sampled = batch["old_logprobs"], batch["mask"] > 0
-        loss, w = pg_loss(logprobs, old, advantages[chunk], batch["mask"], stale, cfg.is_cap)
-        loss.backward()  # gradients accumulate; normalised once the whole step is in
-        weights.append(w[stale & sampled])
-        deltas.append((logprobs.detach() - old)[~stale & sampled])
+    # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
+    # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
+    for chosen, grad in ((trained, True), (~trained & measure_all, False)):
+        index = chosen.nonzero().flatten()
+        part = [seqs[i] for i in index]
+        size = cfg.train_micro_batch or max(len(part), 1)
+        for i in range(0, len(part), size):
+            chunk = slice(i, i + size)
+            w, d = chunk_backward(
+                model, part[chunk], advantages[index][chunk], version, cfg, pad_id, grad
+            )
+            weights.append(w)
+            deltas.append(d)
     return tokens, torch.cat(weights), torch.cat(deltas)
+
+
+def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
+    """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
+    whole step is in). Returns the stale tokens' importance weights and the trainer minus server
+    logprobs of the tokens the current weights sampled."""
+    column = {key: [seq[key] for seq in seqs] for key in ("ids", "mask", "logprobs")}
+    batch = make_batch([[]] * len(seqs), column["ids"], pad_id, column["mask"], column["logprobs"])
+    versions = [torch.tensor(x["versions"]) for x in seqs]
+    # (b, T-1) True where weights older than ours sampled the target token
+    stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
+    autocast = torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16)
+    with autocast, torch.set_grad_enabled(grad):
+        logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
+    old, sampled = batch["old_logprobs"], batch["mask"] > 0
+    loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap)
+    if grad:
+        loss.backward()
+    return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled]
 
 
 def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
@@ -968,16 +988,18 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
 def mismatch_metrics(deltas):
     """How far the trainer's logprobs of the sampled tokens are from the server's (its processed
     logprobs: at the sampling temperature, as sampled). `deltas`: trainer minus server, one per
-    token trained on that the current weights sampled: a stale token's difference would include
+    token measured (see --mismatch-every) that the current weights sampled: a stale token's
+    difference would include
     one step of policy change (with --max-staleness 1 only step 0 has such samples;
     is_weight_* then measures both together). mismatch_kl is the k3 estimate of KL(server ||
     trainer), mean over tokens of exp(d) - 1 - d: unbiased, since the server sampled the tokens,
     and never negative. None when no token qualifies."""
+    counted = {"mismatch_tokens": len(deltas)}
     if not len(deltas):
-        return dict.fromkeys(("mismatch_mean", "mismatch_max", "mismatch_kl"))
+        return counted | dict.fromkeys(("mismatch_mean", "mismatch_max", "mismatch_kl"))
     # float64 and expm1: for |d| ~ 1e-6, exp(d) - 1 - d in float32 rounds to a negative KL
     d = deltas.double()
-    return {
+    return counted | {
         "mismatch_mean": d.abs().mean().item(),
         "mismatch_max": d.abs().max().item(),
         "mismatch_kl": (torch.expm1(d) - d).mean().item(),
@@ -1045,13 +1067,26 @@ def save_checkpoint(cfg, model, tok, opt, next_step, rng, rollouts):
 def start_run(cfg, opt, rng, data):
     """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's,
     or with --resume (the model is loaded from the checkpoint already) the checkpoint's, after
-    restoring the optimizer and the sampler's RNG; the metrics of the steps before the
-    checkpoint's. Nothing else here draws random numbers: the models have no dropout, and the
-    server samples."""
+    restoring the optimizer (at --lr) and the sampler's RNG; the metrics of the steps before the
+    checkpoint's. With --max-staleness K, the K steps sampled before the checkpoint are generated
+    anew on its weights, not on the older ones an unbroken run used: they are less stale. Nothing
+    else here draws random numbers: the models have no dropout, and the server samples."""
     if not cfg.resume:
         return 0, [rng.sample(data, cfg.prompts_per_step)], []
     state = torch.load(state_path(cfg.resume), weights_only=True)
     opt.load_state_dict(state["optimizer"])
+    # the optimizer's state brings back the learning rate it was saved with: --lr decides
+    saved_lr = opt.param_groups[0]["lr"]
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr
+    if saved_lr != cfg.lr:
+        print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
+    if state["rows"] and cfg.max_staleness:
+        print(
+            f"{len(state['rows'])} queued step(s) from step {state['step']} on sample the "
+            f"checkpoint's weights, fresher than an unbroken run's ({cfg.max_staleness} behind)",
+            file=sys.stderr,
+        )
     rng.setstate(state["rng"])
     with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
         history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
@@ -1068,6 +1103,7 @@ def connect(cfg, urls) -> Client:
         sys.exit(f"error: --server-url: {e}")
     if cfg.dtype and cfg.dtype != served:
         sys.exit(f"error: --dtype {cfg.dtype}: the server serves {served} (its --dtype decides)")
+    cfg.dtype = served
     return client
 
 
@@ -1133,12 +1169,7 @@ def make_model(cfg, probe=None):
         # transformers checkpoints only in training mode; the models we train have no dropout
         model.train()
     if dist.is_initialized():
-        # on --device: a CPU trainer on a GPU machine shards on the CPU
-        mesh = init_device_mesh(model.device.type, (dist.get_world_size(),))
-        # the decoder layers: what transformers keeps whole when it splits a model over devices
-        for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
 
@@ -1172,26 +1203,52 @@ def follow():
             return
 
 
-def backward_share(model, cfg, seqs, advantages, version, pad_id):
+def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
     """backward() on this rank's share of a micro-batch: whole groups (a group never straddles two
     ranks; its advantages were computed before the split). Returns the whole micro-batch's
-    completion tokens, which normalise the step, and our share's importance weights and
-    trainer-minus-server logprobs."""
-    lead("backward", seqs, advantages, version, pad_id)
+    completion tokens, which normalise the step, and (on rank 0) every rank's importance weights
+    and trainer-minus-server logprobs."""
+    lead("backward", seqs, advantages, version, pad_id, measure_all)
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
     share = slice(rank * len(seqs) // ranks, (rank + 1) * len(seqs) // ranks)
-    _, weights, deltas = backward(model, seqs[share], advantages[share], version, cfg, pad_id)
+    _, weights, deltas = backward(
+        model, seqs[share], advantages[share], version, cfg, pad_id, measure_all
+    )
+    if dist.is_initialized():
+        # the statistics of every rank's share, on rank 0
+        shares = [None] * ranks if rank == 0 else None
+        dist.gather_object((weights, deltas), shares, dst=0)
+        if rank == 0:
+            weights = torch.cat([w for w, _ in shares])
+            deltas = torch.cat([d for _, d in shares])
     return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas
 
 
-def full_weights(model):
-    """{name: full tensor} for rank 0 to push: under torchrun gathered from every rank's shard (all
-    ranks call this at the start and after each optimizer step)."""
-    return {
-        name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        for name, p in model.named_parameters()
-    }
+def shard(model):
+    """Shard the model over the torchrun ranks with FSDP2, on its device (a CPU trainer on a GPU
+    machine shards on the CPU)."""
+    mesh = init_device_mesh(model.device.type, (dist.get_world_size(),))
+    # the decoder layers: what transformers keeps whole when it splits a model over devices
+    for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def full_weights(model, dtype=None):
+    """{name: tensor} for rank 0 to push and save. One process: the model's own parameters, no
+    copy. Under torchrun (every rank calls this at the start and after each optimizer step) each
+    parameter in turn is gathered from the ranks' shards, and only rank 0 keeps it, in the served
+    `dtype` (None: as trained): no rank holds the full float32 weights, only one parameter at a
+    time."""
+    if not dist.is_initialized():
+        return {name: p.detach() for name, p in model.named_parameters()}
+    weights = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if dist.get_rank() == 0:
+            weights[name] = full.to(dtype or full.dtype)
+    return weights
 
 
 if __name__ == "__main__":

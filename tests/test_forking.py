@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from client import Episode
+from client import Episode, save_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported first by every Python process that has this folder on PYTHONPATH: `import vllm` then
@@ -185,6 +185,78 @@ def test_a_run_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(
     initial = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
     assert any(not torch.equal(theirs[k], initial[k]) for k in theirs)
     assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) == 0
+
+
+def test_a_resumed_run_takes_its_new_lr_and_says_which_steps_are_fresher(
+    server, model_path, tmp_path, rewards, restore_weights, capsys
+):
+    """With --max-staleness 1, the step queued at the checkpoint is generated anew on the
+    checkpoint's weights (staleness 0, where an unbroken run's is 1), and the run says so; the
+    optimizer's saved learning rate gives way to --lr."""
+    import rewards as module
+
+    settings = dict(model=model_path, steps=4, prompts_per_step=4, micro_batches=2, group_size=4)
+    settings |= dict(max_tokens=6, max_staleness=1, reward="rewards:letters")
+    run = str(tmp_path / "run")
+    # dies scoring step 3's samples, with the checkpoint of step 2 saved
+    module.scored, module.crash_after = 0, 3 * 16
+    with pytest.raises(RuntimeError, match="died"):
+        train.train(train.Config(**settings, out=run, save_every=2), server)
+    module.crash_after = None
+    capsys.readouterr()
+    train.train(train.Config(**settings, resume=run, lr=5e-4), server)
+    said = capsys.readouterr().err
+    assert (
+        "--lr 0.0005" in said and "1 queued step(s) from step 2 on sample the checkpoint's" in said
+    )
+    staleness = [json.loads(line)["staleness"] for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert staleness == [0, 1, 0, 1]
+    state = torch.load(train.state_path(run), weights_only=True)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [5e-4]
+
+
+def test_the_first_step_measures_the_mismatch_on_every_sample_even_when_none_trains(
+    server, model_path, tmp_path, rewards, capsys
+):
+    """A reward that is always 0.5: every group is skipped, and yet the first step (and every
+    --mismatch-every steps) measures the mismatch on all its sampled tokens, and warns above
+    --mismatch-warning (here any difference at all)."""
+    settings = dict(model=model_path, steps=3, prompts_per_step=4, micro_batches=2, group_size=4)
+    settings |= dict(max_tokens=6, reward="rewards:half", mismatch_warning=0.0, mismatch_every=2)
+    out = tmp_path / "run"
+    train.train(train.Config(**settings, out=str(out)), server)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [row["frac_reward_zero_std"] for row in rows] == [1.0] * 3
+    # steps 0 and 2: every completion token (each ends in a sampled token, not in the prompt)
+    assert [row["mismatch_tokens"] for row in rows] == [rows[0]["tokens"], 0, rows[2]["tokens"]]
+    assert rows[0]["mismatch_mean"] > 0 and rows[1]["mismatch_mean"] is None
+    assert "WARNING" in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_never_missing_whenever_saving_stops(model_path, tmp_path, monkeypatch):
+    """save_model swaps the checkpoint in one rename: a save that dies at that rename leaves the
+    old checkpoint whole."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    path = str(tmp_path / "checkpoint")
+    save_model(model, tok, path, extra={"note.pt": 1})
+    first = os.path.realpath(path)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+
+    def dies(*args):
+        raise KeyboardInterrupt("the process died")
+
+    monkeypatch.setattr(os, "replace", dies)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(model, tok, path, extra={"note.pt": 2})
+    monkeypatch.undo()
+    assert torch.load(os.path.join(path, "note.pt")) == 1
+    assert AutoModelForCausalLM.from_pretrained(path).model.norm.weight.max() < 1.5
+    save_model(model, tok, path, extra={"note.pt": 3})
+    assert torch.load(os.path.join(path, "note.pt")) == 3
+    # the folder it pointed at before is gone
+    assert not os.path.exists(first)
 
 
 def test_an_out_holding_a_run_is_never_overwritten(model_path, tmp_path):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_weight_sync import hf_greedy, perturbed
+from test_weight_sync import hf_greedy, perturbed, wait_for_in_flight
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import Router, free_port, launch_server, stop_server
@@ -48,7 +48,8 @@ def servers(model_path, tmp_path_factory):
     try:
         with ThreadPoolExecutor(2) as pool:
             starts = [
-                pool.submit(start, "plain"),
+                # a push that finds a request in flight there longer than 1 s is refused (503)
+                pool.submit(start, "plain", "--drain-timeout", "1"),
                 pool.submit(start, "data-parallel", *DATA_PARALLEL),
             ]
         for s in starts:
@@ -91,9 +92,8 @@ def greedy(client, prompts=PROMPTS, copies=1):
 
 def test_split_prompts_go_to_the_server_with_the_fewest_pending(router):
     plain, data_parallel = router.clients
-    # six prompts pending on the plain server (the least loaded while both are idle)
-    waiting = router.generate(["x"] * 6, max_tokens=2, is_async=True)
-    assert waiting.client is plain
+    # six prompts pending on the plain server
+    waiting = plain.generate(["x"] * 6, max_tokens=2, is_async=True)
     futures = router.generate([f"{i}+1=" for i in range(8)], n=2, max_tokens=4, split_prompts=True)
     # the other server takes prompts until it has six too; then they alternate
     assert [f.client is plain for f in futures] == [False] * 6 + [True, False]
@@ -101,6 +101,34 @@ def test_split_prompts_go_to_the_server_with_the_fewest_pending(router):
     assert {f.request_id for f, _ in done} == {f.request_id for f in futures}
     assert all(len(result[0]) == 2 for _, result in done)
     waiting.result()
+
+
+def test_a_batch_is_spread_over_the_servers_by_prompts(router):
+    """One request per server, each with its share of the prompts; the results in the batch's
+    order, as one server gives them (greedy, same weights)."""
+    plain, data_parallel = router.clients
+    prompts = [f"{i}+1=" for i in range(6)]
+    future = router.generate(prompts, temperature=0.0, max_tokens=4, is_async=True)
+    assert [sum(c.pending.values()) for c in router.clients] == [3, 3]
+    results = future.result()
+    expected = plain.generate(prompts, temperature=0.0, max_tokens=4)
+    assert [r[0].token_ids for r in results] == [r[0].token_ids for r in expected]
+    assert future.timing["started"] <= future.timing["finished"]
+
+
+def test_a_busy_server_stays_live_and_takes_the_update(router, hf):
+    """The plain server answers 503 to a push while a request runs there longer than its
+    --drain-timeout (1 s): it is up and busy, not lost. The Router asks again until the drain
+    succeeds, and every server ends at the new version."""
+    model, _ = hf
+    plain, data_parallel = router.clients
+    busy = plain.generate(["busy"], max_tokens=1500, ignore_eos=True, is_async=True)
+    wait_for_in_flight(plain, seconds=0.1)
+    version = router.update_model_params(perturbed(model, seed=8))
+    assert router.live == [plain, data_parallel]
+    assert plain.health()["version"] == data_parallel.health()["version"] == version
+    assert busy.result()[0][0].version == version - 1
+    router.update_model_params(model)
 
 
 def test_an_openai_session_stays_on_one_server(router):
@@ -151,7 +179,9 @@ def test_a_killed_server_is_dropped_then_readmitted_with_the_current_weights(
     stop_server(proc)
     dropped = router.update_model_params(perturbed(model, seed=6))
     assert router.live == [data_parallel]
-    assert router.generate(["z"], max_tokens=2, is_async=True).client is data_parallel
+    future = router.generate(["z"], max_tokens=2, is_async=True)
+    assert not plain.pending and data_parallel.pending
+    future.result()
 
     proc, _ = launch_server(
         "--model", model_path, *GPU_FLAGS, log_path=tmp_path / "restarted.log", **ports
@@ -180,8 +210,13 @@ def train_py(launcher, server, out, model_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    norms = [json.loads(line)["grad_norm"] for line in open(out / "metrics.jsonl")]
-    return load_file(out / "checkpoint" / "model.safetensors"), norms
+    return load_file(out / "checkpoint" / "model.safetensors"), metrics(out)
+
+
+def metrics(out):
+    """Each step's gradient norm, and the tokens the first step's mismatch was measured on."""
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [row["grad_norm"] for row in rows], rows[0]["mismatch_tokens"]
 
 
 def test_torchrun_on_two_ranks_ends_with_the_parameters_of_one_process(
@@ -192,14 +227,50 @@ def test_torchrun_on_two_ranks_ends_with_the_parameters_of_one_process(
     scale, so the gradient norms are compared too (relative 1e-5). Parameters: absolute 5e-5,
     against steps of lr = 1e-3. The ranks' sums are added in another order, and a weight whose
     gradient is near AdamW's eps (1e-8) moves by an amount its last digits decide: one run
-    differed by up to 9.4e-6 there."""
+    differed by up to 9.4e-6 there. The first step's mismatch covers every sampled token, whichever
+    rank computed it."""
     server = f"http://127.0.0.1:{servers['plain'][1]['port']}"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    one, one_norms = train_py([sys.executable], server, tmp_path / "one", model_path)
-    two, two_norms = train_py(torchrun, server, tmp_path / "two", model_path)
+    one, (one_norms, one_tokens) = train_py([sys.executable], server, tmp_path / "one", model_path)
+    two, (two_norms, two_tokens) = train_py(torchrun, server, tmp_path / "two", model_path)
     start = load_file(os.path.join(model_path, "model.safetensors"))
     assert one.keys() == two.keys()
     # training moved the weights, by much more than the tolerance
     assert max((one[k] - start[k]).abs().max() for k in one) > 1e-3
     assert max((one[k] - two[k]).abs().max() for k in one) < 5e-5
     assert two_norms == pytest.approx(one_norms, rel=1e-5)
+    assert two_tokens == one_tokens > 0
+
+
+FULL_WEIGHTS = """
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+import train
+dist.init_process_group("gloo")
+model = train.load_model({model!r})
+train.shard(model)
+weights = train.full_weights(model, torch.bfloat16)
+reference = train.load_model({model!r}).state_dict()
+equal = all(torch.equal(t, reference[n].to(torch.bfloat16)) for n, t in weights.items())
+dtypes = sorted({{str(t.dtype) for t in weights.values()}})
+held = {{"rank": dist.get_rank(), "names": sorted(weights), "dtypes": dtypes, "equal": equal}}
+print(json.dumps(held))
+dist.destroy_process_group()
+"""
+
+
+def test_under_fsdp_only_rank_0_holds_the_full_weights_and_in_the_served_dtype(
+    model_path, tmp_path
+):
+    script = tmp_path / "full_weights.py"
+    script.write_text(FULL_WEIGHTS.format(root=ROOT, model=model_path))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    run = subprocess.run([*torchrun, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    ranks = {r["rank"]: r for r in map(json.loads, lines)}
+    names = [n for n, _ in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()]
+    assert ranks[0]["names"] == sorted(names) and ranks[0]["equal"]
+    assert ranks[0]["dtypes"] == ["torch.bfloat16"]
+    assert ranks[1]["names"] == []

@@ -190,6 +190,13 @@ def test_a_mismatch_above_the_threshold_at_the_first_step_warns_naming_the_usual
     assert capsys.readouterr().err == ""
 
 
+def test_torchrun_refuses_a_device_that_would_put_every_rank_on_one_gpu(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="--device cuda:1 under torchrun"):
+        train.Config(model="m", device="cuda:1")
+    assert train.Config(model="m", device="cuda").device == "cuda"
+
+
 def test_loss_mask_excludes_prompt_and_padding():
     batch = train.make_batch([[5, 6, 7], [5]], [[8, 9], [8, 9, 10]], pad_id=1)  # second row padded
     # targets are input_ids[:, 1:]; the mask is 1 exactly where the target is a completion token
