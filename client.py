@@ -282,17 +282,10 @@ class GatheredFuture:
         for indices, future in self.parts:
             results.update(zip(indices, future.result(timeout)))
         timings = [future.timing for _, future in self.parts]
-        # the batch on every server: queued and started with the first, finished with the last
-        self.timing = {
-            "queued": min(t["queued"] for t in timings),
-            "started": min(t["started"] for t in timings),
-            "finished": max(t["finished"] for t in timings),
-        }
+        # the batch from its first server's start to its last server's finish
+        self.timing = {key: min(t[key] for t in timings) for key in ("queued", "started")}
+        self.timing["finished"] = max(t["finished"] for t in timings)
         return [results[i] for i in range(len(results))]
-
-    def abort(self):
-        for _, future in self.parts:
-            future.abort()
 
 
 class AbortsOnError(contextlib.AbstractContextManager):

@@ -558,30 +558,20 @@ def tied_output_layers(model):
 
 
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------
-OPERATORS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.Pow: operator.pow,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
+# the syntax a calculator expression may use: numbers, + - * / ** and parentheses
+ARITHMETIC = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow)
+ARITHMETIC += (ast.USub, ast.UAdd)
 
 
 def calculator(expression: str) -> str:
-    """The built-in tool: arithmetic (+ - * / ** and parentheses) on numbers, nothing else."""
-
-    def value(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.operand))
-        raise ValueError(f"not arithmetic: {ast.unparse(node)}")
-
-    result = value(ast.parse(expression.strip(), mode="eval").body)
+    """The built-in tool: arithmetic on numbers, nothing else. Its syntax tree is checked to hold
+    only numbers and ARITHMETIC before Python evaluates it: no names, calls or attributes."""
+    tree = ast.parse(expression.strip(), mode="eval")
+    for node in ast.walk(tree):
+        number = isinstance(node, ast.Constant) and type(node.value) in (int, float)
+        if not (number or isinstance(node, ARITHMETIC)):
+            raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+    result = eval(compile(tree, "<calc>", "eval"), {"__builtins__": {}})
     return str(int(result) if float(result).is_integer() else round(result, 6))
 
 

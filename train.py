@@ -651,7 +651,7 @@ def train(cfg: Config, client: Client, data=None):
     model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
     start, queued_rows, history = start_run(cfg, opt, rng, data)
     # the server samples from exactly our weights
-    rollouts = Rollouts(client, cfg, full_weights(model, DTYPES.get(cfg.dtype)), queued_rows)
+    rollouts = Rollouts(client, cfg, full_weights(model, cfg.dtype), queued_rows)
     os.makedirs(cfg.out, exist_ok=True)
     t_run = time.time()
     # `with client`: if anything below raises, the requests still generating are aborted
@@ -672,8 +672,7 @@ def train(cfg: Config, client: Client, data=None):
             ahead = min(cfg.max_staleness, cfg.steps - 1 - step)
             while len(rollouts.queue) <= ahead:
                 rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
-            measure_all = step == start or step % cfg.mismatch_every == 0
-            stats = step_gradient(rollouts, model, tok, measure_all)
+            stats = step_gradient(rollouts, model, tok, step - start)
             optimizer_step(model, opt, stats, cfg)
             # on-policy: step s+1 is submitted now, and the server holds it until our push lands
             sampled_version = rollouts.version
@@ -682,7 +681,7 @@ def train(cfg: Config, client: Client, data=None):
                 # if the server is lost meanwhile, it is reconnected and the next step submits
                 rollouts.unless_lost(rollouts.submit_queued, rollouts.version + 1)
             with timed(stats["sync"]):
-                rollouts.unless_lost(rollouts.push, full_weights(model, DTYPES.get(cfg.dtype)))
+                rollouts.unless_lost(rollouts.push, full_weights(model, cfg.dtype))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, model, tok, opt, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
@@ -778,9 +777,12 @@ class Rollouts:
         self.version = pushed
 
 
-def step_gradient(rollouts, model, tok, measure_all):
+def step_gradient(rollouts, model, tok, steps_done):
     """Accumulate the gradient of the oldest queued step (accumulate_step); if the server is lost
-    meanwhile, reconnect, submit again and start over (at most 3 times). Returns its statistics."""
+    meanwhile, reconnect, submit again and start over (at most 3 times). Returns its statistics.
+    `steps_done` by this process: at its first step and every --mismatch-every steps, the
+    mismatch is measured on every sample, trained on or not."""
+    measure_all = steps_done % rollouts.cfg.mismatch_every == 0
     for _ in range(3):
         stats = rollouts.unless_lost(accumulate_step, rollouts, model, tok, measure_all)
         if stats is not None:
@@ -801,10 +803,9 @@ def timed(intervals):
 
 def accumulate_step(rollouts, model, tok, measure_all):
     """Submit the queued steps not submitted yet; collect the oldest one's samples (with the
-    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands;
-    `measure_all`: compute the logprobs of the skipped samples too (backward). Drain
-    updates: every token of a step submitted `staleness` pushes ago is that many versions behind
-    ours (in flight, at most that many), or the run stops. Returns the step's rewards, tokens,
+    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands, its
+    versions checked (check_versions); `measure_all`: compute the logprobs of the skipped samples
+    too (backward). Returns the step's rewards, tokens,
     per-token staleness, importance weights, trainer-minus-server logprobs, and the intervals
     (time.time()) of generation on the server and training here ("sync": the loop's)."""
     cfg = rollouts.cfg
@@ -812,7 +813,6 @@ def accumulate_step(rollouts, model, tok, measure_all):
     queued = rollouts.queue[0]
     version = rollouts.version
     staleness = version - queued.version
-    oldest = staleness if cfg.update_mode == "drain" else 0
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
     stats = {"tokens": 0, "gen": [], "train": [], "sync": []}
     reward_fn = reward_function(cfg)
@@ -827,17 +827,7 @@ def accumulate_step(rollouts, model, tok, measure_all):
             seqs = [
                 sequence(r, x, tok, reward_fn) for r, group in zip(rows, samples) for x in group
             ]
-            versions = {v for seq in seqs for v in seq["versions"]}
-            if min(versions) < version - staleness or max(versions) > version - oldest:
-                # versions start again at 0 in a new server
-                if rollouts.client.health()["version"] < version:
-                    raise ConnectionError(
-                        f"the server restarted: its weight version went back from {version}"
-                    )
-                raise RuntimeError(
-                    f"sample versions {sorted(versions)} at trainer version {version}: the "
-                    f"schedule promises {oldest} to {staleness} behind"
-                )
+            check_versions(rollouts, seqs, staleness)
             rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
@@ -852,6 +842,24 @@ def accumulate_step(rollouts, model, tok, measure_all):
             tensors["is_weights"].append(w)
             tensors["logprob_deltas"].append(d)
     return stats | {key: torch.cat(values) for key, values in tensors.items()}
+
+
+def check_versions(rollouts, seqs, staleness):
+    """Stop the run unless every token of `seqs`, a step submitted `staleness` pushes ago, is that
+    many versions behind ours (drain updates), or at most that many (in flight). Versions that
+    went back mean a new server: ConnectionError, and the loop reconnects."""
+    version = rollouts.version
+    min_lag = staleness if rollouts.cfg.update_mode == "drain" else 0
+    versions = {v for seq in seqs for v in seq["versions"]}
+    if version - staleness <= min(versions) and max(versions) <= version - min_lag:
+        return
+    # versions start again at 0 in a new server
+    if rollouts.client.health()["version"] < version:
+        raise ConnectionError(f"the server restarted: its weight version went back from {version}")
+    raise RuntimeError(
+        f"sample versions {sorted(versions)} at trainer version {version}: the schedule "
+        f"promises {min_lag} to {staleness} behind"
+    )
 
 
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
@@ -1235,19 +1243,19 @@ def shard(model):
     fully_shard(model, mesh=mesh)
 
 
-def full_weights(model, dtype=None):
+def full_weights(model, dtype=""):
     """{name: tensor} for rank 0 to push and save. One process: the model's own parameters, no
     copy. Under torchrun (every rank calls this at the start and after each optimizer step) each
     parameter in turn is gathered from the ranks' shards, and only rank 0 keeps it, in the served
-    `dtype` (None: as trained): no rank holds the full float32 weights, only one parameter at a
-    time."""
+    `dtype` (a name in client.DTYPES; "": as trained): no rank holds the full float32 weights,
+    only one parameter at a time."""
     if not dist.is_initialized():
         return {name: p.detach() for name, p in model.named_parameters()}
     weights = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if dist.get_rank() == 0:
-            weights[name] = full.to(dtype or full.dtype)
+            weights[name] = full.to(DTYPES.get(dtype, full.dtype))
     return weights
 
 

@@ -250,7 +250,7 @@ import train
 dist.init_process_group("gloo")
 model = train.load_model({model!r})
 train.shard(model)
-weights = train.full_weights(model, torch.bfloat16)
+weights = train.full_weights(model, "bfloat16")
 reference = train.load_model({model!r}).state_dict()
 equal = all(torch.equal(t, reference[n].to(torch.bfloat16)) for n, t in weights.items())
 dtypes = sorted({{str(t.dtype) for t in weights.values()}})
