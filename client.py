@@ -608,11 +608,12 @@ def push_until_done(client, model, **options):
 # -- several servers -------------------------------------------------------------------------------
 class Router(AbortsOnError):
     """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`.
-    Each request goes to the live server with the fewest of our prompts pending (a step's split
-    prompts one by one); a /rollout episode runs whole on one server; an OpenAI session's calls go
+    A batch's prompts are spread over the live servers, each prompt to the one with the fewest of
+    our prompts pending; a /rollout episode runs whole on one server; an OpenAI session's calls go
     to the one server session_url() names. Every update reaches every live server and leaves them
-    all at one version. A server that fails is dropped, and re-admitted at the next update once it
-    answers again: it receives that update's weights and version with the others. Each server
+    all at one version. A busy server is asked again; one that is lost (server_lost) is dropped,
+    and re-admitted at the next update once it answers again: it receives that update's weights
+    and version with the others. Each server
     keeps its own /health and /metrics (`router.clients[i].health()`).
 
     Weight sync: one group per server, not one group spanning every server's workers. A group
