@@ -624,18 +624,9 @@ async def close_communicator(request):
 # vLLM's OpenAI server takes its sampling fields too (top_k, min_p, ignore_eos, ...); `logprobs`
 # means something else in OpenAI's shape
 OPENAI_SAMPLING = set(SAMPLING_FIELDS) - {"logprobs"}
-OPENAI_OTHER = {
-    "model",
-    "messages",
-    "prompt",
-    "max_completion_tokens",
-    "logprobs",
-    "top_logprobs",
-    "stream",
-    "user",
-    "tools",
-    "tool_choice",
-}
+# the other fields: what to complete and how to answer, logprobs in OpenAI's shape, functions
+OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "stream", "user"}
+OPENAI_OTHER |= {"logprobs", "top_logprobs", "tools", "tool_choice"}
 
 
 async def models(request):
@@ -993,7 +984,9 @@ def make_app(args, flags) -> web.Application:
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
-        app[ROLLOUT] = RolloutEngine(engine, dict(flags.tool), tool_timeout=flags.tool_timeout)
+        app[ROLLOUT] = RolloutEngine(
+            engine, dict(flags.tool or []), tool_timeout=flags.tool_timeout
+        )
         if flags.tool_call_parser:
             parser = ToolParserManager.get_tool_parser(flags.tool_call_parser)
             state.tool_parser = functools.partial(parser, engine.tokenizer)
@@ -1036,80 +1029,54 @@ def add_engine_flags(g):
     g.add_argument("--model", help="HF model folder or hub id (default: the built-in tiny model)")
     # the trainer's updates must come in this dtype
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype")
-    # the model's own length, capped to what the KV cache holds (vLLM's log says so; /health and
-    # every 400 for a too long request give the length in use)
-    g.add_argument(
-        "--max-model-len", type=int, help="longest prompt + completion (default: the model's own)"
-    )
-    g.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for vLLM"
-    )
-    g.add_argument(
-        "--kv-cache-memory-bytes", type=int, help="KV cache size in bytes (default on CPU: 256 MiB)"
-    )
-    g.add_argument(
-        "--max-num-seqs", type=int, help="most sequences decoded at once (vLLM's default)"
-    )
+    # default: the model's own length, capped to what the KV cache holds (vLLM's log says so;
+    # /health and every 400 for a too long request give the length in use)
+    g.add_argument("--max-model-len", type=int, help="longest prompt + completion")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share")
+    # default: vLLM's on GPU, 256 MiB on CPU
+    g.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size in bytes")
+    # default: vLLM's
+    g.add_argument("--max-num-seqs", type=int, help="most sequences decoded at once")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
-    g.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        help="skip compilation (default: on CPU only)",
-    )
+    # default: on CPU only
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="no compiling")
 
 
 def add_http_flags(g):
-    g.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (not loopback: needs --api-key)"
-    )
+    # not loopback: needs --api-key
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--served-model-name", help="the model's name in /v1 (default: --model)")
-    g.add_argument(
-        "--api-key", help="required by all but /health, /metrics (default: $VLLM_API_KEY)"
-    )
+    # default: $VLLM_API_KEY; every route but /health and /metrics needs it
+    g.add_argument("--api-key", help="the key callers must send")
 
 
 def add_limit_flags(g):
     """Bounds on what callers may ask for and leave behind; beyond them a 400 or 429."""
     g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt)")
-    g.add_argument(
-        "--max-request-seqs", type=int, default=16384, help="most prompts x n in one request"
-    )
-    g.add_argument(
-        "--max-pending", type=int, default=10000, help="most requests submitted and not yet fetched"
-    )
-    g.add_argument(
-        "--result-ttl", type=float, default=600.0, help="seconds a result waits to be fetched"
-    )
+    g.add_argument("--max-request-seqs", type=int, default=16384, help="most prompts x n at once")
+    g.add_argument("--max-pending", type=int, default=10000, help="most results not yet fetched")
+    g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a result is kept")
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
     # prompt and completions: its tokens); beyond these bounds a call is a 429. A session ends
     # when deleted, --result-ttl s after its last call, or --max-session-age s after its first.
     g.add_argument("--max-session-tokens", type=int, default=10**6, help="most tokens per session")
-    g.add_argument(
-        "--max-total-session-tokens", type=int, default=10**7, help="most tokens in all sessions"
-    )
+    g.add_argument("--max-total-session-tokens", type=int, default=10**7, help="in all sessions")
     g.add_argument("--max-session-age", type=float, default=3600.0, help="most seconds per session")
 
 
 def add_sync_flags(g):
     g.add_argument("--group-port", type=int, default=51216, help="the weight-sync group's port")
-    # on timeout the update fails and the old weights and version stay
+    # while joining the group or receiving a bucket; on timeout the update fails and the old
+    # weights and version stay
     g.add_argument(
-        "--weight-sync-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the trainer while joining the group or receiving a bucket",
+        "--weight-sync-timeout", type=float, default=60.0, help="seconds for the trainer"
     )
-    # then the update is refused (503) before anything is sent
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        help="seconds an update waits for the requests in flight to finish",
-    )
+    # for the requests in flight to finish; then the update is refused (503) before anything is sent
+    g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds an update drains")
 
 
 def tool_flag(spec) -> tuple:
@@ -1122,30 +1089,19 @@ def tool_flag(spec) -> tuple:
 
 
 def add_tool_flags(g):
+    # a Python function of one string, that /rollout may call as NAME (repeatable)
     g.add_argument(
-        "--tool",
-        type=tool_flag,
-        action="append",
-        default=[],
-        metavar="NAME=MODULE:FUNCTION",
-        help="a Python function of one string that /rollout may call as NAME (repeatable)",
+        "--tool", type=tool_flag, action="append", metavar="NAME=MODULE:FN", help="a /rollout tool"
     )
-    # /v1/chat/completions with `tools`: the model's tool calls come back as `tool_calls`
+    # /v1/chat/completions with `tools`: the model's tool calls come back as `tool_calls`. As in
+    # vllm serve, where it goes with --enable-auto-tool-choice (implied here)
     g.add_argument(
         "--tool-call-parser",
         choices=ToolParserManager.list_registered(),
-        metavar="NAME",
-        help="vLLM's parser of the model family's tool calls, e.g. hermes (as in vllm serve, "
-        "where it goes with --enable-auto-tool-choice, implied here)",
+        help="vLLM's, e.g. hermes",
     )
-    g.add_argument(
-        "--mcp-server",
-        action="append",
-        default=[],
-        metavar="COMMAND",
-        help="an MCP server to start over stdio, whose tools /rollout may call "
-        "(repeatable; 'calc' is built in), e.g. 'python tests/mcp_server.py'",
-    )
+    # repeatable ('calc' is built in), e.g. 'python tests/mcp_server.py'
+    g.add_argument("--mcp-server", action="append", default=[], help="an MCP server's command")
     # a tool that takes longer answers with an error
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
 
