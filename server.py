@@ -659,9 +659,10 @@ def chat_prompt(engine, body) -> list[int]:
     holds, as vLLM's server renders it."""
     messages = checked_field(body, "messages", [dict])
     if not messages or not all(
-        isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str) for m in messages
+        isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or "tool_calls" in m)
+        for m in messages
     ):
-        raise ApiError("'messages' must be a non-empty list of {role, content}, content a string")
+        raise ApiError("'messages' must be a non-empty list of {role, content (a string)}")
     try:
         for m in messages:
             for call in m.get("tool_calls") or []:
