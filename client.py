@@ -20,14 +20,17 @@ handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server
 
 import base64
 import contextlib
+import importlib
 import json
 import math
 import os
 import queue
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +58,8 @@ class Completion:
     # [[version, index of its first token]] per weight version that sampled it, oldest first: one
     # span unless an in-flight update came while it was generated
     versions: list[list[int]] | None = None
+    # the prompt's token ids, as the server tokenised it (the same in each of a prompt's n)
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -259,11 +264,21 @@ class RemoteFuture:
         self.client, self.request_id = client, request_id
         # once fetched: when the server queued, started and finished it (its time.time())
         self.timing = None
+        # the result once fetched (the server frees it then)
+        self.fetched = None
 
     def result(self, timeout=None):
-        """Wait (long-polling the server in slices of at most 60 s) and return the result."""
-        _, result, self.timing = self.client._collect([self.request_id], timeout)
-        return result
+        """Wait (long-polling the server in slices of at most 60 s) and return the result; a
+        TimeoutError if it is not done within `timeout` s (then ask again: nothing is lost)."""
+        if self.fetched is None:
+            _, self.fetched, self.timing = self.client._collect([self.request_id], timeout)
+        return self.fetched
+
+    def done(self) -> bool:
+        """Whether the result is ready (if so, it is fetched now, and result() returns it)."""
+        with contextlib.suppress(TimeoutError):
+            self.result(timeout=0)
+        return self.fetched is not None
 
     def abort(self):
         self.client.abort(self.request_id)
@@ -408,6 +423,7 @@ class Client(AbortsOnError):
             for request_id, result, timing in self._collect(list(remaining), timeout, every=True):
                 future = remaining.pop(request_id)
                 future.timing = timing
+                future.fetched = result
                 yield future, result
 
     def _collect(self, request_ids, timeout=None, every=False):
@@ -423,8 +439,10 @@ class Client(AbortsOnError):
                 break
             except ServerError as e:
                 # 408: not done within this slice
-                if e.status != 408 or time.monotonic() >= deadline:
+                if e.status != 408:
                     raise
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(e.message) from None
         done = []
         for r in reply.get("results", [reply]):
             self.pending.pop(r["request_id"], None)
@@ -749,16 +767,31 @@ class Router(AbortsOnError):
 
 # -- a local server process, for the demo, the tests and the benchmarks ----------------------------
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# what huggingface_hub takes for a repo id: NAME or ORG/NAME
+HUB_ID = re.compile(r"(\b[\w\-.]+\b/)?\b[\w\-.]{1,96}\b")
 
 
-def tokenizer_missing(model) -> str:
-    """What is wrong with a model folder that has no tokenizer (transformers' own error blames
-    sentencepiece or tiktoken instead); "" for any other model, or a hub id."""
+def model_error(model) -> str:
+    """What is wrong with a `--model`, in one line: a folder without tokenizer files
+    (transformers' own error blames sentencepiece or tiktoken instead), or a path to nothing that
+    cannot be a hub id either (vLLM's error would be a long traceback); else ""."""
     if os.path.isdir(model or "") and not any(
         os.path.exists(os.path.join(model, name)) for name in TOKENIZER_FILES
     ):
         return f"model folder {model} has none of the tokenizer files {', '.join(TOKENIZER_FILES)}"
+    if model and not os.path.exists(model) and not HUB_ID.fullmatch(model):
+        return f"no model folder {model}, and no hub id (NAME or ORG/NAME) either"
     return ""
+
+
+def load_function(spec, flag):
+    """The function that `spec`, "module:function", names (the module importable by this process:
+    beside this file or on PYTHONPATH), or a ValueError that names the `flag`."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{flag} {spec} (module:function): {e}") from None
 
 
 def free_port():
@@ -768,11 +801,13 @@ def free_port():
 
 
 def launch_server(
-    *flags, log_path=os.devnull, timeout=300.0, port=None, group_port=None, api_key=None, env=None
+    *flags, log_path=None, timeout=300.0, port=None, group_port=None, api_key=None, env=None
 ):
-    """Start `python server.py *flags` (on free ports unless given; in environment `env`); return
-    (process, Client) once it is up."""
+    """Start `python server.py *flags` (on free ports unless given; in environment `env`), its
+    output going to `log_path` (default: a file in the temporary folder, named by the port); return
+    (process, Client) once it is up. If it exits first, the error ends with its log's last lines."""
     port, group_port = port or free_port(), group_port or free_port()
+    log_path = log_path or os.path.join(tempfile.gettempdir(), f"async-grpo-server-{port}.log")
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     command = [sys.executable, server, "--port", str(port), "--group-port", str(group_port), *flags]
     with open(log_path, "w") as log:
@@ -782,7 +817,9 @@ def launch_server(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the engine takes ~25 s to start on CPU
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}; see {log_path}")
+            with open(log_path) as log:
+                tail = "".join(log.readlines()[-10:])
+            raise RuntimeError(f"server exited with code {proc.returncode} ({log_path}):\n{tail}")
         try:
             client.health(timeout=2)
             return proc, client

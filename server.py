@@ -29,8 +29,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, Episode, tiny_model, tokenizer_missing
+from client import DTYPES, TRANSPORTS, Episode, load_function, model_error, tiny_model
 from engine import Engine, RolloutEngine, check_encodable, engine_args
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
@@ -85,6 +87,8 @@ class State:
     transport: str | None = None
     # the server then exits non-zero
     engine_died: bool = False
+    # --tool-call-parser's vLLM ToolParser class, given the tokenizer: parser(tools)
+    tool_parser: functools.partial | None = None
     # the rest is read from the engine at start
     vocab_size: int = 0
     dtype: str = ""
@@ -366,8 +370,10 @@ def requested_ids(app, body) -> list:
             raise ApiError("'request_ids' lists a request twice")
     elif "request_id" in body:
         ids = [checked_field(body, "request_id", str)]
-    else:
+    elif "prompts" in body:
         ids = [find_identical(app[STATE], body)]
+    else:
+        raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     ids = [i for i in ids if i in app[STATE].tasks]
     if not ids:
         raise ApiError("no such request: unknown, fetched, aborted or expired", 404)
@@ -615,57 +621,70 @@ async def close_communicator(request):
 # /v1/sessions/<id>. --- Every answer carries its tokens (prompt_token_ids; per choice token_ids)
 # and weight_version, and calls sent with an X-Session-ID header are recorded, so that an agent
 # written against the OpenAI client can be trained on exactly what it sampled.
-OPENAI_SAMPLING = {
-    "n",
-    "temperature",
-    "top_p",
-    "max_tokens",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-}
-OPENAI_OTHER = {
-    "model",
-    "messages",
-    "prompt",
-    "max_completion_tokens",
-    "logprobs",
-    "top_logprobs",
-    "stream",
-    "user",
-}
+# vLLM's OpenAI server takes its sampling fields too (top_k, min_p, ignore_eos, ...); `logprobs`
+# means something else in OpenAI's shape
+OPENAI_SAMPLING = set(SAMPLING_FIELDS) - {"logprobs"}
+# the other fields: what to complete and how to answer, logprobs in OpenAI's shape, functions
+OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "stream", "user"}
+OPENAI_OTHER |= {"logprobs", "top_logprobs", "tools", "tool_choice"}
 
 
 async def models(request):
-    model = {"id": request.app[ENGINE].args.model, "object": "model", "owned_by": "async-grpo"}
+    name = request.app[STATE].flags.served_model_name
+    model = {"id": name, "object": "model", "owned_by": "async-grpo"}
     return web.json_response({"object": "list", "data": [model]})
 
 
+def tool_request(state, body) -> ChatCompletionRequest | None:
+    """A chat body with `tools` as vLLM's ChatCompletionRequest, adjusted by the --tool-call-parser
+    as vLLM's server adjusts it (e.g. special tokens kept in the text); or a 400. The parser reads
+    the model's tool calls against it. None without tools or with tool_choice "none"."""
+    if "tools" not in body or body.get("tool_choice") == "none":
+        return None
+    if not state.tool_parser or body.get("tool_choice", "auto") != "auto":
+        raise ApiError(
+            "'tools' need a server started with --tool-call-parser, and 'tool_choice' "
+            "'auto' (the default) or 'none': no tool call is forced"
+        )
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except Exception as e:
+        raise ApiError(f"invalid chat request: {e}") from None
+    return state.tool_parser(request.tools).adjust_request(request)
+
+
 def chat_prompt(engine, body) -> list[int]:
-    """The token ids of the body's `messages` under the model's chat template, or a 400."""
+    """The token ids of the body's `messages` and `tools` under the model's chat template, or a
+    400. A tool call's `arguments`, a JSON string in OpenAI's shape, is rendered as the object it
+    holds, as vLLM's server renders it."""
     messages = checked_field(body, "messages", [dict])
     if not messages or not all(
-        isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or "tool_calls" in m)
+        for m in messages
     ):
-        raise ApiError("'messages' must be a non-empty list of {role, content} with string content")
+        raise ApiError("'messages' must be a non-empty list of {role, content (a string)}")
     try:
+        for m in messages:
+            for call in m.get("tool_calls") or []:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         text = engine.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
         )
-    # no template, or one that refuses these roles
+    # no template, one that refuses these roles, or tool calls that are not OpenAI's
     except Exception as e:
         raise ApiError(f"the model's chat template cannot render these messages: {e}") from None
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def openai_request(engine, state, body, chat) -> tuple[list[int], SamplingParams, bool]:
-    """The prompt's token ids, the SamplingParams and whether to answer with logprobs, of a
-    /v1/completions (`chat` False) or /v1/chat/completions body; or a 4xx."""
+def openai_request(engine, state, body, chat) -> tuple:
+    """The prompt's token ids, the SamplingParams, whether to answer with logprobs and the
+    tool_request (or None), of a /v1/completions (`chat` False) or /v1/chat/completions body; or a
+    4xx."""
     unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
     if unknown:
         raise ApiError(f"unsupported fields {unknown}")
-    if body.get("model") != engine.args.model:
+    request = tool_request(state, body) if chat else None
+    if body.get("model") != state.flags.served_model_name:
         raise ApiError(f"model {body.get('model')!r} does not exist (see /v1/models)", 404)
     if chat:
         prompt = chat_prompt(engine, body)
@@ -683,8 +702,10 @@ def openai_request(engine, state, body, chat) -> tuple[list[int], SamplingParams
         max_tokens = 16
     fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
     fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
+    if request:
+        fields["skip_special_tokens"] = request.skip_special_tokens
     params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
-    return prompt, params, logprobs
+    return prompt, params, logprobs, request
 
 
 async def openai_completion(request):
@@ -694,7 +715,7 @@ async def openai_completion(request):
     state, engine = request.app[STATE], request.app[ENGINE]
     body = {k: v for k, v in (await read_json(request)).items() if v is not None}
     chat = request.path.endswith("chat/completions")
-    prompt, params, logprobs = openai_request(engine, state, body, chat)
+    prompt, params, logprobs, tools = openai_request(engine, state, body, chat)
     stream = checked_field(body, "stream", bool, False)
     session_id = request.headers.get("X-Session-ID")
     completions = []
@@ -713,7 +734,7 @@ async def openai_completion(request):
         # a session's calls are recorded in the order they finish; a failed call frees its room
         if recording:
             record(recording, prompt, completions, reserved)
-    answer = openai_answer(engine, chat, prompt, completions, logprobs)
+    answer = openai_answer(request.app, chat, prompt, completions, logprobs, tools)
     return openai_events(answer, chat) if stream else web.json_response(answer)
 
 
@@ -735,11 +756,13 @@ def openai_events(answer, chat):
     )
 
 
-def openai_answer(engine, chat, prompt, completions, logprobs):
-    """OpenAI's answer, plus prompt_token_ids and, per choice, token_ids and weight_version."""
+def openai_answer(app, chat, prompt, completions, logprobs, tools):
+    """OpenAI's answer, plus prompt_token_ids and, per choice, token_ids and weight_version; with
+    `tools` (a tool_request), the tool calls that the --tool-call-parser finds in each choice."""
+    engine = app[ENGINE]
     choices = []
     for i, c in enumerate(completions):
-        text = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+        text = {"message": chat_message(app[STATE], c, tools)} if chat else {"text": c.text}
         choice = {
             "index": i,
             **text,
@@ -748,13 +771,16 @@ def openai_answer(engine, chat, prompt, completions, logprobs):
             "weight_version": c.version,
             "logprobs": openai_logprobs(engine, c, chat) if logprobs else None,
         }
+        # as vLLM's server answers a turn whose tool calls it parsed
+        if "tool_calls" in text.get("message", {}):
+            choice["finish_reason"] = "tool_calls"
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     return {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": engine.args.model,
+        "model": app[STATE].flags.served_model_name,
         "choices": choices,
         "prompt_token_ids": prompt,
         "weight_version": completions[0].version,
@@ -764,6 +790,18 @@ def openai_answer(engine, chat, prompt, completions, logprobs):
             "total_tokens": len(prompt) + completion_tokens,
         },
     }
+
+
+def chat_message(state, completion, tools) -> dict:
+    """A chat choice's message: the model's text, or, where the --tool-call-parser (vLLM's own)
+    finds tool calls in it, those as `tool_calls` and the text outside them as `content`."""
+    message = {"role": "assistant", "content": completion.text}
+    if tools is not None:
+        found = state.tool_parser(tools.tools).extract_tool_calls(completion.text, tools)
+        if found.tools_called:
+            message["content"] = found.content
+            message["tool_calls"] = [call.model_dump() for call in found.tool_calls]
+    return message
 
 
 def openai_logprobs(engine, completion, chat) -> dict:
@@ -947,7 +985,12 @@ def make_app(args, flags) -> web.Application:
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
-        app[ROLLOUT] = RolloutEngine(engine, tool_timeout=flags.tool_timeout)
+        app[ROLLOUT] = RolloutEngine(
+            engine, dict(flags.tool or []), tool_timeout=flags.tool_timeout
+        )
+        if flags.tool_call_parser:
+            parser = ToolParserManager.get_tool_parser(flags.tool_call_parser)
+            state.tool_parser = functools.partial(parser, engine.tokenizer)
         for command in flags.mcp_server:
             await app[ROLLOUT].add_mcp_server(*shlex.split(command))
         watcher = asyncio.ensure_future(watch_engine(app))
@@ -987,106 +1030,107 @@ def add_engine_flags(g):
     g.add_argument("--model", help="HF model folder or hub id (default: the built-in tiny model)")
     # the trainer's updates must come in this dtype
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype")
-    # the model's own length, capped to what the KV cache holds (vLLM's log says so; /health and
-    # every 400 for a too long request give the length in use)
-    g.add_argument(
-        "--max-model-len", type=int, help="longest prompt + completion (default: the model's own)"
-    )
-    g.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for vLLM"
-    )
-    g.add_argument(
-        "--kv-cache-memory-bytes", type=int, help="KV cache size in bytes (default on CPU: 256 MiB)"
-    )
-    g.add_argument(
-        "--max-num-seqs", type=int, help="most sequences decoded at once (vLLM's default)"
-    )
+    # default: the model's own length, capped to what the KV cache holds (vLLM's log says so;
+    # /health and every 400 for a too long request give the length in use)
+    g.add_argument("--max-model-len", type=int, help="longest prompt + completion")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share")
+    # default: vLLM's on GPU, 256 MiB on CPU
+    g.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size in bytes")
+    # default: vLLM's
+    g.add_argument("--max-num-seqs", type=int, help="most sequences decoded at once")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
-    g.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        help="skip compilation (default: on CPU only)",
-    )
+    # default: on CPU only
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="no compiling")
 
 
 def add_http_flags(g):
-    g.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (not loopback: needs --api-key)"
-    )
+    # not loopback: needs --api-key
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("VLLM_API_KEY"),
-        help="required by all but /health, /metrics ($VLLM_API_KEY)",
-    )
+    g.add_argument("--served-model-name", help="the model's name in /v1 (default: --model)")
+    # default: $VLLM_API_KEY; every route but /health and /metrics needs it
+    g.add_argument("--api-key", help="the key callers must send")
 
 
 def add_limit_flags(g):
     """Bounds on what callers may ask for and leave behind; beyond them a 400 or 429."""
     g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt)")
-    g.add_argument(
-        "--max-request-seqs", type=int, default=16384, help="most prompts x n in one request"
-    )
-    g.add_argument(
-        "--max-pending", type=int, default=10000, help="most requests submitted and not yet fetched"
-    )
-    g.add_argument(
-        "--result-ttl", type=float, default=600.0, help="seconds a result waits to be fetched"
-    )
+    g.add_argument("--max-request-seqs", type=int, default=16384, help="most prompts x n at once")
+    g.add_argument("--max-pending", type=int, default=10000, help="most results not yet fetched")
+    g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a result is kept")
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
     # prompt and completions: its tokens); beyond these bounds a call is a 429. A session ends
     # when deleted, --result-ttl s after its last call, or --max-session-age s after its first.
     g.add_argument("--max-session-tokens", type=int, default=10**6, help="most tokens per session")
-    g.add_argument(
-        "--max-total-session-tokens", type=int, default=10**7, help="most tokens in all sessions"
-    )
+    g.add_argument("--max-total-session-tokens", type=int, default=10**7, help="in all sessions")
     g.add_argument("--max-session-age", type=float, default=3600.0, help="most seconds per session")
 
 
 def add_sync_flags(g):
     g.add_argument("--group-port", type=int, default=51216, help="the weight-sync group's port")
-    # on timeout the update fails and the old weights and version stay
+    # while joining the group or receiving a bucket; on timeout the update fails and the old
+    # weights and version stay
     g.add_argument(
-        "--weight-sync-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the trainer while joining the group or receiving a bucket",
+        "--weight-sync-timeout", type=float, default=60.0, help="seconds for the trainer"
     )
-    # then the update is refused (503) before anything is sent
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        help="seconds an update waits for the requests in flight to finish",
-    )
+    # for the requests in flight to finish; then the update is refused (503) before anything is sent
+    g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds an update drains")
+
+
+def tool_flag(spec) -> tuple:
+    """--tool NAME=module:function: (NAME, the function)."""
+    name, _, function = spec.partition("=")
+    try:
+        return name, load_function(function, f"--tool {name}=")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_tool_flags(g):
+    # a Python function of one string, that /rollout may call as NAME (repeatable)
     g.add_argument(
-        "--mcp-server",
-        action="append",
-        default=[],
-        metavar="COMMAND",
-        help="an MCP server to start over stdio, whose tools /rollout may call "
-        "(repeatable; 'calc' is built in), e.g. 'python tests/mcp_server.py'",
+        "--tool", type=tool_flag, action="append", metavar="NAME=MODULE:FN", help="a /rollout tool"
     )
+    # /v1/chat/completions with `tools`: the model's tool calls come back as `tool_calls`. As in
+    # vllm serve, where it goes with --enable-auto-tool-choice (implied here)
+    g.add_argument(
+        "--tool-call-parser",
+        choices=ToolParserManager.list_registered(),
+        help="vLLM's, e.g. hermes",
+    )
+    # repeatable ('calc' is built in), e.g. 'python tests/mcp_server.py'
+    g.add_argument("--mcp-server", action="append", default=[], help="an MCP server's command")
     # a tool that takes longer answers with an error
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, where it has one (else its help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="async-grpo's rollout server: vLLM over HTTP")
+    p = argparse.ArgumentParser(
+        description="async-grpo's rollout server: vLLM over HTTP", formatter_class=HelpWithDefaults
+    )
     add_engine_flags(p.add_argument_group("engine (named as in vllm serve)"))
     add_http_flags(p.add_argument_group("HTTP"))
     add_limit_flags(p.add_argument_group("limits"))
     add_sync_flags(p.add_argument_group("weight sync"))
     add_tool_flags(p.add_argument_group("tools"))
     flags = p.parse_args(argv)
-    if tokenizer_missing(flags.model):
-        p.error(tokenizer_missing(flags.model))
+    flags.served_model_name = flags.served_model_name or flags.model or "tiny-qwen2"
+    # read here, not as the flag's default: --help would print it
+    flags.api_key = flags.api_key or os.environ.get("VLLM_API_KEY")
+    if model_error(flags.model):
+        p.error(model_error(flags.model))
     if flags.host not in LOOPBACK and not flags.api_key:
         p.error(
             f"--host {flags.host} exposes the server beyond this machine: "

@@ -20,7 +20,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import importlib
 import json
 import math
 import os
@@ -51,12 +50,13 @@ from client import (
     Router,
     ServerError,
     launch_server,
+    load_function,
+    model_error,
     push_until_done,
     save_model,
     server_lost,
     stop_server,
     tiny_model,
-    tokenizer_missing,
 )
 
 
@@ -158,16 +158,12 @@ class Config:
             )
         if self.dataset and not os.path.exists(self.dataset):
             raise ValueError(f"no dataset file {self.dataset}")
-        # a path, not a hub id ("name" or "org/name"): absolute, or in a folder that exists here
-        path = os.path.isabs(self.model) or os.path.isdir(os.path.dirname(self.model))
-        if path and not os.path.isdir(self.model):
-            raise ValueError(f"no model folder {self.model}")
         if not 0 < self.success_threshold <= 1:
             raise ValueError("success_threshold must be in (0, 1]")
         if self.resume and not os.path.exists(state_path(self.resume)):
             raise ValueError(f"--resume {self.resume}: no {state_path(self.resume)}")
-        if tokenizer_missing(self.model):
-            raise ValueError(tokenizer_missing(self.model))
+        if model_error(self.model):
+            raise ValueError(model_error(self.model))
         if self.server_url and self.server_args:
             raise ValueError("--server-args is for a server train.py starts")
         if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
@@ -292,11 +288,7 @@ def reward_function(cfg):
     if not cfg.reward:
         builtin = not cfg.dataset and cfg.task == "addition"
         return addition_reward if builtin else answer_reward
-    module, _, name = cfg.reward.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--reward {cfg.reward} (module:function): {e}") from None
+    return load_function(cfg.reward, "--reward")
 
 
 def score(reward_fn, completion, row) -> float:

@@ -84,3 +84,98 @@ def restore_weights(server, model_path):
     server.init_communicator()
     server.update_model_params(AutoModelForCausalLM.from_pretrained(model_path))
     server.close_communicator()
+
+
+# -- a server for function calling: a model that writes a hermes-style tool call, and user flags --
+# The chat template renders `tools` in a system turn and each tool call as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, the format of vLLM's hermes parser.
+TOOL_TEMPLATE = (
+    "{% if tools %}system: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+    "{% if m.tool_calls %}{% for call in m.tool_calls %}<tool_call>"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "arithmetic",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    },
+}
+CALL = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "2+3"}}}
+# the two turns the model learns: ask the tool, then answer with its result
+TOOL_TURNS = [
+    (
+        [{"role": "user", "content": "What is 2+3?"}],
+        '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call>',
+    ),
+    (
+        [
+            {"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "content": "5"},
+        ],
+        "It is 5.",
+    ),
+]
+
+
+def tool_calling_model(path, steps=60):
+    """The tiny model taught (a few supervised steps) to call `calc` and then answer, under
+    TOOL_TEMPLATE; its folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import train
+
+    tok = AutoTokenizer.from_pretrained(tiny_model())
+    tok.chat_template = TOOL_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(
+                m, tools=[CALC_TOOL], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for m, _ in TOOL_TURNS
+    ]
+    answers = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for _, a in TOOL_TURNS]
+    batch = train.make_batch(prompts, answers, tok.pad_token_id)
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = -(train.token_logprobs(model, batch) * batch["mask"]).sum() / batch["mask"].sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    from client import save_model
+
+    save_model(model, tok, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """A server on tool_calling_model with vLLM's hermes tool-call parser, a user's own --tool and
+    a --served-model-name; its log at `.log_path`."""
+    folder = tmp_path_factory.mktemp("tool-server")
+    log_path = folder / "server.log"
+    proc, client = launch_server(
+        "--model",
+        tool_calling_model(folder / "model"),
+        "--tool-call-parser",
+        "hermes",
+        "--tool",
+        "wordcount=tests.my_tools:word_count",
+        "--served-model-name",
+        "tiny-tools",
+        *GPU_FLAGS,
+        log_path=log_path,
+    )
+    client.log_path = log_path
+    yield client
+    stop_server(proc)

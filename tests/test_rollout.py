@@ -90,11 +90,30 @@ def test_tools_outside_the_allowed_list_are_refused(client):
 
 
 def test_max_turns_and_token_budget_stop_an_episode(client):
+    # the last turn's call is not made: its answer would come after the episode, unseen
     ep = greedy_rollout(client, "<tool>calc 1+1", max_turns=1)
-    assert ep.finish_reason == "max_turns" and len(ep.turns) == 1 and len(ep.tool_calls) == 1
+    assert ep.finish_reason == "max_turns" and len(ep.turns) == 1 and ep.tool_calls == []
+    assert ep.loss_mask[-1] == 1
     ep = greedy_rollout(client, "<tool>calc 1+1", max_turns=5, max_episode_tokens=4)
     assert ep.finish_reason == "budget" and len(ep.turns) == 1
     assert sum(1 for m in ep.loss_mask if m) <= 4
+
+
+def test_a_call_is_read_from_its_own_turn_only(client):
+    """A second turn that ends in `call_end` with no `call_start` of its own is the model's answer,
+    not a call whose argument runs back over the first call and its result. The model's text is
+    noise: try each character it writes as `call_end` until a second turn ends with it."""
+    exercised = 0
+    for prompt in ("<tool>calc 6*7", "<tool>calc 2+3", "<tool>calc 9-4"):
+        first = client.generate([prompt], temperature=0.0, max_tokens=48)[0][0].text
+        for call_end in dict.fromkeys(first):
+            [[ep]] = client.rollout(
+                [prompt], temperature=0.0, max_tokens=48, call_end=call_end, max_turns=3
+            )
+            if len(ep.turns) >= 2 and ep.turns[1]["text"].endswith(call_end):
+                exercised += 1
+                assert len(ep.tool_calls) == 1 and ep.finish_reason == "stop", ep.tool_calls
+    assert exercised, "no second turn ended with its call_end: try other prompts"
 
 
 def test_bad_rollout_input_is_a_4xx(client):
