@@ -476,16 +476,9 @@ class Client(AbortsOnError):
             body |= {"host": host, "world_size": world_size}
         # the server's workers join the group while we host its store (rank 0): the request runs
         # on a thread, with a session of its own (a requests.Session is not thread-safe)
-        request_timeout = weight_sync_timeout + 30
+        wait, http = weight_sync_timeout + 30, requests.Session()
         with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(
-                self._request,
-                "POST",
-                "/init_communicator",
-                body,
-                request_timeout,
-                requests.Session(),
-            )
+            reply = pool.submit(self._request, "POST", "/init_communicator", body, wait, http)
             try:
                 if transport != "ipc":
                     self.group = weight_group(
@@ -738,7 +731,7 @@ class Router(AbortsOnError):
         self.live += [c for c in self.clients if c not in self.live and self._admit(c)]
         options["version"] = self.version + 1
         with ThreadPoolExecutor(max(len(self.live), 1)) as pool:
-            pushes = [pool.submit(self._push, c, model, options) for c in self.live]
+            pushes = [pool.submit(push_until_done, c, model, **options) for c in self.live]
         errors = [push.exception() for push in pushes]
         for error in errors:
             if error is not None and not server_lost(error):
@@ -748,17 +741,6 @@ class Router(AbortsOnError):
             raise ConnectionError(f"every server was lost during the update: {errors}")
         self.version = options["version"]
         return self.version
-
-    def _push(self, client, model, options):
-        """One server's push: a busy server is asked again (push_until_done); after a failed
-        transfer (502) weight sync is set up anew and the push made once more."""
-        try:
-            return push_until_done(client, model, **options)
-        except ServerError as e:
-            if e.status != 502:
-                raise
-        client.init_communicator(**self.sync)
-        return push_until_done(client, model, **options)
 
     def close_communicator(self):
         for client in self.live:

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from contextlib import asynccontextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -584,9 +584,9 @@ class RolloutEngine:
     which may open a call) is a tool call: the text since that `call_start` is "NAME ARGUMENT"; the
     tool's output, wrapped in `result_format`, is tokenised once and appended. A call in the last
     turn (`max_turns`) is not made: the model would never read its answer. Tools are Python
-    functions (or coroutine functions) of one string, or tools of MCP servers (add_mcp_server). A
-    tool that raises, times out or does not exist answers with an error text; the episode goes
-    on."""
+    functions (or coroutine functions) of one string: the built-in `calc`, and the server's --tool
+    flags. A tool that raises, times out or does not exist answers with an error text; the episode
+    goes on."""
 
     def __init__(
         self,
@@ -603,52 +603,24 @@ class RolloutEngine:
         self.call_end = call_end
         self.result_format = result_format
         self.tool_timeout = tool_timeout
-        self.mcp = {}  # tool name -> (MCP client session, name of its argument)
-        self.stack = AsyncExitStack()
-
-    async def add_mcp_server(self, command, *args):
-        """Start an MCP server over stdio and register its tools."""
-        from mcp import ClientSession, StdioServerParameters
-        from mcp.client.stdio import stdio_client
-
-        read, write = await self.stack.enter_async_context(
-            stdio_client(StdioServerParameters(command=command, args=list(args)))
-        )
-        session = await self.stack.enter_async_context(ClientSession(read, write))
-        await session.initialize()
-        for tool in (await session.list_tools()).tools:
-            # the name of the tool's one argument
-            argument = next(iter(tool.input_schema.get("properties", {"input": None})))
-            self.mcp[tool.name] = (session, argument)
-        return sorted(self.mcp)
-
-    async def close(self):
-        await self.stack.aclose()
 
     @property
     def tool_names(self):
-        return sorted(self.tools) + sorted(self.mcp)
+        return sorted(self.tools)
 
     async def call_tool(self, name, argument, allowed=None) -> str:
         try:
             if allowed is not None and name not in allowed:
                 return f"error: tool '{name}' is not available"
-            if name in self.tools:
-                tool = self.tools[name]
-                # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a
-                # thread
-                if asyncio.iscoroutinefunction(tool):
-                    call = tool(argument)
-                else:
-                    call = asyncio.to_thread(tool, argument)
-                return str(await asyncio.wait_for(call, self.tool_timeout))
-            if name in self.mcp:
-                session, key = self.mcp[name]
-                result = await asyncio.wait_for(
-                    session.call_tool(name, {key: argument}), self.tool_timeout
-                )
-                return "".join(getattr(c, "text", "") for c in result.content)
-            return f"error: unknown tool '{name}'"
+            if name not in self.tools:
+                return f"error: unknown tool '{name}'"
+            tool = self.tools[name]
+            # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a thread
+            if asyncio.iscoroutinefunction(tool):
+                call = tool(argument)
+            else:
+                call = asyncio.to_thread(tool, argument)
+            return str(await asyncio.wait_for(call, self.tool_timeout))
         except asyncio.TimeoutError:
             return f"error: tool '{name}' timed out after {self.tool_timeout} s"
         except Exception as e:  # a tool's failure is the episode's business, not the server's

@@ -17,7 +17,6 @@ import itertools
 import json
 import math
 import os
-import shlex
 import signal
 import sys
 import time
@@ -35,26 +34,12 @@ from vllm.tool_parsers import ToolParserManager
 from client import DTYPES, TRANSPORTS, Episode, load_function, model_error, tiny_model
 from engine import Engine, RolloutEngine, check_encodable, engine_args
 
-# sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams
-SAMPLING_FIELDS = {
-    "n": int,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "max_tokens": int,
-    "min_tokens": int,
-    "seed": int,
-    "logprobs": int,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "repetition_penalty": float,
-    "ignore_eos": bool,
-    "stop": [str],
-    "stop_token_ids": [int],
-    "include_stop_str_in_output": bool,
-    "skip_special_tokens": bool,
-}
+# sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams, by type
+SAMPLING_FIELDS = dict.fromkeys(["n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"], int)
+SAMPLING_FIELDS |= dict.fromkeys(["temperature", "top_p", "min_p", "repetition_penalty"], float)
+SAMPLING_FIELDS |= dict.fromkeys(["presence_penalty", "frequency_penalty"], float)
+SAMPLING_FIELDS |= dict.fromkeys(["ignore_eos", "include_stop_str_in_output"], bool)
+SAMPLING_FIELDS |= {"skip_special_tokens": bool, "stop": [str], "stop_token_ids": [int]}
 # the fields of /generate and /rollout besides the sampling ones: read by add_request() and the
 # routes
 REQUEST_FIELDS = ("prompts", "priority", "min_version", "keep_result")
@@ -471,18 +456,9 @@ async def init_communicator(request):
 
 # the fields of a CUDA IPC handle, as client.share_cuda writes them (plain JSON: the server never
 # unpickles what arrives over HTTP)
-IPC_HANDLE = {
-    "offset": int,
-    "device": int,
-    "handle": str,
-    "storage_bytes": int,
-    "storage_offset": int,
-    "ref": str,
-    "ref_offset": int,
-    "event": (str, type(None)),
-    "event_sync": bool,
-    "gpu": str,
-}
+IPC_HANDLE = dict.fromkeys(["offset", "device", "storage_offset", "ref_offset"], int)
+IPC_HANDLE |= {"storage_bytes": int, "handle": str, "ref": str, "gpu": str}
+IPC_HANDLE |= {"event": (str, type(None)), "event_sync": bool}
 
 
 def check_buckets(body, state) -> list:
@@ -991,14 +967,11 @@ def make_app(args, flags) -> web.Application:
         if flags.tool_call_parser:
             parser = ToolParserManager.get_tool_parser(flags.tool_call_parser)
             state.tool_parser = functools.partial(parser, engine.tokenizer)
-        for command in flags.mcp_server:
-            await app[ROLLOUT].add_mcp_server(*shlex.split(command))
         watcher = asyncio.ensure_future(watch_engine(app))
         yield
         watcher.cancel()
         for task, _ in state.tasks.values():
             task.cancel()
-        await app[ROLLOUT].close()
         engine.llm.shutdown()
 
     app.cleanup_ctx.append(engine_ctx)
@@ -1090,7 +1063,8 @@ def tool_flag(spec) -> tuple:
 
 
 def add_tool_flags(g):
-    # a Python function of one string, that /rollout may call as NAME (repeatable)
+    # a Python function of one string, that /rollout may call as NAME (repeatable; 'calc' is
+    # built in)
     g.add_argument(
         "--tool", type=tool_flag, action="append", metavar="NAME=MODULE:FN", help="a /rollout tool"
     )
@@ -1101,24 +1075,14 @@ def add_tool_flags(g):
         choices=ToolParserManager.list_registered(),
         help="vLLM's, e.g. hermes",
     )
-    # repeatable ('calc' is built in), e.g. 'python tests/mcp_server.py'
-    g.add_argument("--mcp-server", action="append", default=[], help="an MCP server's command")
     # a tool that takes longer answers with an error
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
 
 
-class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, where it has one (else its help says what happens)."""
-
-    def _get_help_string(self, action):
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="async-grpo's rollout server: vLLM over HTTP", formatter_class=HelpWithDefaults
+        description="async-grpo's rollout server: vLLM over HTTP",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_engine_flags(p.add_argument_group("engine (named as in vllm serve)"))
     add_http_flags(p.add_argument_group("HTTP"))

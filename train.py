@@ -445,9 +445,10 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
 
 
-def sequence(row, sample, tok, reward_fn=answer_reward):
-    """One sample as token ids, loss mask (1 = sampled by the model), behaviour logprobs, reward
-    (`reward_fn` of the completion and the row), and the weight version that sampled each token."""
+def sequence(row, sample, reward_fn=answer_reward):
+    """One sample as token ids (the prompt's as the server tokenised it), loss mask (1 = sampled by
+    the model), behaviour logprobs, reward (`reward_fn` of the completion and the row), and the
+    weight version that sampled each token."""
     # Client.session's episode is None when the calls do not continue one another token for token
     if sample is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
@@ -461,7 +462,7 @@ def sequence(row, sample, tok, reward_fn=answer_reward):
             "reward": score(reward_fn, sample.turns[-1]["text"], row),
             "versions": per_token(spans, 0, len(sample.token_ids)),
         }
-    prompt = tok(row["prompt"]).input_ids
+    prompt = sample.prompt_token_ids
     return {
         "ids": prompt + sample.token_ids,
         "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
@@ -816,9 +817,7 @@ def accumulate_step(rollouts, model, tok, measure_all):
         # the trainer waited for this micro-batch until now
         with timed(stats["train"]):
             # B = prompts * G
-            seqs = [
-                sequence(r, x, tok, reward_fn) for r, group in zip(rows, samples) for x in group
-            ]
+            seqs = [sequence(r, x, reward_fn) for r, group in zip(rows, samples) for x in group]
             check_versions(rollouts, seqs, staleness)
             rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
@@ -1081,12 +1080,6 @@ def start_run(cfg, opt, rng, data):
         group["lr"] = cfg.lr
     if saved_lr != cfg.lr:
         print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
-    if state["rows"] and cfg.max_staleness:
-        print(
-            f"{len(state['rows'])} queued step(s) from step {state['step']} on sample the "
-            f"checkpoint's weights, fresher than an unbroken run's ({cfg.max_staleness} behind)",
-            file=sys.stderr,
-        )
     rng.setstate(state["rng"])
     with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
         history = [row for row in map(json.loads, f) if row["step"] < state["step"]]

@@ -4,7 +4,6 @@ Run: make test   (or: .venv/bin/python -m pytest tests)
 On a GPU machine the same tests run against a server on the GPU (see the README's GPU section).
 """
 
-import importlib.util
 import os
 import sys
 
@@ -18,8 +17,6 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 from client import launch_server, stop_server, tiny_model  # noqa: E402
 
-HAS_MCP = importlib.util.find_spec("mcp") is not None
-needs_mcp = pytest.mark.skipif(not HAS_MCP, reason="the mcp package is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # on a GPU the session server takes little memory: tests start more engines and trainers beside it
 GPU_FLAGS = (
@@ -51,16 +48,10 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
-    mcp = (
-        (
-            "--mcp-server",
-            f"{sys.executable} {os.path.join(os.path.dirname(__file__), 'mcp_server.py')}",
-        )
-        if HAS_MCP
-        else ()
-    )
+    # tools of one's own (tests/my_tools.py), a plain one and an async one that times out
+    tools = [f"--tool={name}=tests.my_tools:{name}" for name in ("reverse", "shout", "slow")]
     proc, client = launch_server(
-        *mcp,
+        *tools,
         *GPU_FLAGS,
         "--tool-timeout",
         "2",

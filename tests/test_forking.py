@@ -86,7 +86,7 @@ def test_train_py_runs_against_a_server_where_vllm_cannot_be_imported(
 # -- your reward, your data ------------------------------------------------------------------------
 def test_sequence_given_no_episode_says_what_is_wrong():
     with pytest.raises(ValueError, match="no episode"):
-        train.sequence({"prompt": "p", "answer": "3"}, None, tok=None)
+        train.sequence({"prompt": "p", "answer": "3"}, None)
 
 
 def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
@@ -96,7 +96,7 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
     episode = Episode(
         [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
     )
-    assert train.sequence({"prompt": "p", "answer": "42"}, episode, tok=None)["reward"] == 1.0
+    assert train.sequence({"prompt": "p", "answer": "42"}, episode)["reward"] == 1.0
 
 
 def test_a_reward_of_ones_own_passes_at_the_stated_threshold(server, model_path, tmp_path, rewards):
@@ -187,12 +187,12 @@ def test_a_run_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(
     assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) == 0
 
 
-def test_a_resumed_run_takes_its_new_lr_and_says_which_steps_are_fresher(
+def test_a_resumed_run_takes_its_new_lr_and_its_queued_step_is_fresher(
     server, model_path, tmp_path, rewards, restore_weights, capsys
 ):
     """With --max-staleness 1, the step queued at the checkpoint is generated anew on the
-    checkpoint's weights (staleness 0, where an unbroken run's is 1), and the run says so; the
-    optimizer's saved learning rate gives way to --lr."""
+    checkpoint's weights (staleness 0, where an unbroken run's is 1), as the README says; the
+    optimizer's saved learning rate gives way to --lr, and the run says so."""
     import rewards as module
 
     settings = dict(model=model_path, steps=4, prompts_per_step=4, micro_batches=2, group_size=4)
@@ -205,10 +205,7 @@ def test_a_resumed_run_takes_its_new_lr_and_says_which_steps_are_fresher(
     module.crash_after = None
     capsys.readouterr()
     train.train(train.Config(**settings, resume=run, lr=5e-4), server)
-    said = capsys.readouterr().err
-    assert (
-        "--lr 0.0005" in said and "1 queued step(s) from step 2 on sample the checkpoint's" in said
-    )
+    assert "--lr 0.0005" in capsys.readouterr().err
     staleness = [json.loads(line)["staleness"] for line in open(os.path.join(run, "metrics.jsonl"))]
     assert staleness == [0, 1, 0, 1]
     state = torch.load(train.state_path(run), weights_only=True)

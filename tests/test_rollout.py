@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from conftest import needs_mcp, position_gradients
+from conftest import position_gradients
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_logprobs_exactly_on_sampled_tokens(client):
     [
         ("calc 2+", "error: SyntaxError"),
         ("nosuch 1", "error: unknown tool 'nosuch'"),
-        pytest.param("slow 30", "error: tool 'slow' timed out after 2.0 s", marks=needs_mcp),
+        ("slow 30", "error: tool 'slow' timed out after 2.0 s"),
     ],
 )
 def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, error):
@@ -77,8 +77,7 @@ def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, 
     assert client.health()["status"] == "ok"
 
 
-@needs_mcp
-def test_mcp_tools_are_listed_and_called(client):
+def test_tools_of_ones_own_are_listed_and_called(client):
     assert {"reverse", "shout"} <= set(client.health()["tools"])
     ep = greedy_rollout(client, "<tool>reverse abc", max_turns=2)
     assert ep.tool_calls[0] == {"name": "reverse", "argument": "abc", "result": "cba"}
