@@ -20,6 +20,7 @@ handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server
 
 import base64
 import contextlib
+import functools
 import importlib
 import json
 import math
@@ -232,9 +233,8 @@ def pack(named, bucket_bytes):
 def fill_bucket(buffer, bucket, tensors):
     """Copy a bucket's tensors into `buffer` at their announced offsets."""
     for p, t in zip(bucket["params"], tensors):
-        buffer[p["offset"] : p["offset"] + t.numel() * t.element_size()].copy_(
-            t.reshape(-1).view(torch.uint8)
-        )
+        data = t.reshape(-1).view(torch.uint8)
+        buffer[p["offset"] : p["offset"] + len(data)].copy_(data)
 
 
 def unpack(buffer: torch.Tensor, params):
@@ -284,23 +284,9 @@ class RemoteFuture:
         self.client.abort(self.request_id)
 
 
-class GatheredFuture:
-    """One batch spread over several servers (Router.generate): `parts` are [(the batch's indices
-    of a server's prompts, that server's RemoteFuture)]; `result()` is the batch's, in its order."""
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.timing = None
-
-    def result(self, timeout=None):
-        results = {}
-        for indices, future in self.parts:
-            results.update(zip(indices, future.result(timeout)))
-        timings = [future.timing for _, future in self.parts]
-        # the batch from its first server's start to its last server's finish
-        self.timing = {key: min(t[key] for t in timings) for key in ("queued", "started")}
-        self.timing["finished"] = max(t["finished"] for t in timings)
-        return [results[i] for i in range(len(results))]
+def collect_each(futures, timeout=None):
+    """The results of one-prompt RemoteFutures, as one request's: a list per prompt."""
+    return [future.result(timeout)[0] for future in futures]
 
 
 class AbortsOnError(contextlib.AbstractContextManager):
@@ -639,6 +625,8 @@ class Router(AbortsOnError):
         self.live = list(self.clients)
         self.version = 0  # the version every live server serves, once weight sync is set up
         self.sessions = {}  # X-Session-ID -> the Client of its server
+        # collects the spread batches of generate(is_async=True)
+        self.pool = ThreadPoolExecutor(4)
 
     def abort_pending(self):
         for client in self.clients:
@@ -652,21 +640,24 @@ class Router(AbortsOnError):
         return min(self.live, key=lambda c: sum(c.pending.values()) + len(placed.get(c, ())))
 
     def generate(self, prompts, is_async=False, **sampling):
-        """Client.generate with the prompts spread over the live servers: each prompt goes to the
-        server least loaded once the prompts before it are placed. One request per server, collected
-        as one GatheredFuture; with split_prompts, one request per prompt."""
+        """Client.generate with the prompts spread over the live servers, one request per prompt,
+        each on the server least loaded once the prompts before it are placed: with split_prompts
+        their RemoteFutures; else their results in one list (is_async: a concurrent.futures.Future
+        of it)."""
         placed = {}  # Client -> the indices of its prompts
         for i in range(len(prompts)):
             placed.setdefault(self.least_loaded(placed), []).append(i)
-        parts = []
+        futures = {}
         for client, indices in placed.items():
-            own = [prompts[i] for i in indices]
-            parts.append((indices, client.generate(own, is_async=True, **sampling)))
+            own = client.generate(
+                [prompts[i] for i in indices], **sampling | {"split_prompts": True}
+            )
+            futures.update(zip(indices, own))
+        futures = [futures[i] for i in range(len(prompts))]
         if sampling.get("split_prompts"):
-            futures = {i: f for indices, fs in parts for i, f in zip(indices, fs)}
-            return [futures[i] for i in range(len(prompts))]
-        future = GatheredFuture(parts)
-        return future if is_async else future.result()
+            return futures
+        gather = functools.partial(collect_each, futures)
+        return self.pool.submit(gather) if is_async else gather()
 
     def rollout(self, prompts, **options):
         return self.least_loaded().rollout(prompts, **options)

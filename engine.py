@@ -365,11 +365,9 @@ async def outputs_processed(llm):
 
 class QueueMarker:
     """An empty EngineCoreOutputs to vLLM 0.26's output handler, which resolves `taken` as the
-    handler reads it: the fields it reads, and no outputs."""
+    handler reads it: no outputs, and no statistics (the engine logs none: engine_args)."""
 
-    timestamp = 0.0
     scheduler_stats = None
-    engine_index = 0
 
     def __init__(self, taken):
         self.taken = taken

@@ -725,11 +725,7 @@ def openai_events(answer, chat):
         f"data: {json.dumps({**answer, 'object': object_type, 'choices': [c]})}\n\n"
         for c in answer["choices"]
     )
-    return web.Response(
-        text=events + "data: [DONE]\n\n",
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache"},
-    )
+    return web.Response(text=events + "data: [DONE]\n\n", content_type="text/event-stream")
 
 
 def openai_answer(app, chat, prompt, completions, logprobs, tools):
@@ -961,9 +957,8 @@ def make_app(args, flags) -> web.Application:
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
-        app[ROLLOUT] = RolloutEngine(
-            engine, dict(flags.tool or []), tool_timeout=flags.tool_timeout
-        )
+        tools = dict(flags.tool or [])
+        app[ROLLOUT] = RolloutEngine(engine, tools, tool_timeout=flags.tool_timeout)
         if flags.tool_call_parser:
             parser = ToolParserManager.get_tool_parser(flags.tool_call_parser)
             state.tool_parser = functools.partial(parser, engine.tokenizer)

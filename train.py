@@ -49,6 +49,7 @@ from client import (
     Episode,
     Router,
     ServerError,
+    collect_each,
     launch_server,
     load_function,
     model_error,
@@ -166,10 +167,9 @@ class Config:
             raise ValueError(model_error(self.model))
         if self.server_url and self.server_args:
             raise ValueError("--server-args is for a server train.py starts")
+        # under torchrun, rank r takes GPU r
         if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
-            raise ValueError(
-                f"--device {self.device} under torchrun: use cuda (rank r on GPU r) or cpu"
-            )
+            raise ValueError(f"--device {self.device} under torchrun: use cuda or cpu")
         reward_function(self)
         if self.resume:
             self.out = self.resume
@@ -492,9 +492,9 @@ def requester(client, cfg):
 
 
 def submit_rollouts(client, rows, cfg, min_version=0):
-    """Send a step's prompts the way the schedule wants them: the RemoteFutures (one for the whole
-    step with sync-batch, one per prompt with overlap, in the rows' order). With
-    `min_version` the server holds them until those weights are loaded (no round trip needed)."""
+    """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
+    rows' order (collect() decides when the trainer takes which). With `min_version` the server
+    holds them until those weights are loaded (no round trip needed)."""
     request = requester(client, cfg)
     sampling = dict(
         n=cfg.group_size,
@@ -508,9 +508,6 @@ def submit_rollouts(client, rows, cfg, min_version=0):
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
     prompts = [r["prompt"] for r in rows]
-    if cfg.schedule == "sync-batch":
-        # the whole step as one request
-        return [request(prompts, is_async=True, **sampling)]
     if cfg.task == "calculator":
         # every prompt its own request
         return [request([prompt], is_async=True, **sampling) for prompt in prompts]
@@ -527,10 +524,10 @@ def collect(client, rows, futures, cfg):
     size = len(rows) // cfg.micro_batches
     if cfg.schedule == "sync-batch":
         # wait for the whole step, then train on its slices
-        [future] = futures
-        results = future.result()
+        results = collect_each(futures)
         for i in range(0, len(rows), size):
-            yield rows[i : i + size], results[i : i + size], [future.timing]
+            part = slice(i, i + size)
+            yield rows[part], results[part], [future.timing for future in futures[part]]
         return
     # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
     # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
@@ -579,10 +576,10 @@ def evaluate(client, rows, cfg):
 
 
 # -- logging ---------------------------------------------------------------------------------------
-def plot(history, path, evals=()):
+def plot(history, path):
     """Reward per step, the time each step spent, a timeline of a few steps (draw_timeline), and the
-    trainer-server mismatch (mismatch_metrics). `evals`: [(step, evaluate()'s result)], drawn with
-    the reward."""
+    trainer-server mismatch (mismatch_metrics). Held-out evaluations are printed and saved
+    (metrics.jsonl's "eval", eval.json), not drawn."""
     import matplotlib.pyplot as plt
 
     plt.switch_backend("agg")
@@ -592,10 +589,6 @@ def plot(history, path, evals=()):
     )
     ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
-    eval_steps = [step for step, _ in evals]
-    # pass@1, pass@4, ...
-    for k in [k for k in (evals[0][1] if evals else {}) if "/" not in k][::2]:
-        ax1.plot(eval_steps, [e[k] for _, e in evals], "s--", label=f"held-out {k}")
     ax1.legend(loc="lower right", fontsize=8)
     staleness = max(h["staleness"] for h in history)
     title = f"GRPO, {history[0]['schedule']} schedule, max staleness {staleness:.0f}"
@@ -629,9 +622,8 @@ def draw_timeline(ax, history, steps=4):
         bars = [(a - t0, b - a) for h in shown for a, b in h["intervals"][key]]
         ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, alpha=0.5)
     ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
-    ax.set_xlabel(
-        f"seconds (steps {shown[0]['step']}-{shown[-1]['step']}; one bar per micro-batch)"
-    )
+    span = f"{shown[0]['step']}-{shown[-1]['step']}"
+    ax.set_xlabel(f"seconds (steps {span}; one bar per micro-batch)")
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -928,11 +920,10 @@ def optimizer_step(model, opt, stats, cfg):
 def finish_run(cfg, client, held_out, history):
     """After the last step: evaluate the final weights (with --eval-every), plot the run, and print
     how reward and accuracy moved."""
-    evals = [(h["step"], h["eval"]) for h in history if "eval" in h]
     if cfg.eval_every:
-        evals.append((cfg.steps, final_eval(client, held_out, cfg)))
+        final_eval(client, held_out, cfg)
     client.close_communicator()
-    plot(history, os.path.join(cfg.out, "plot.png"), evals)
+    plot(history, os.path.join(cfg.out, "plot.png"))
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
         last = mean(h[key] for h in history[-5:])
@@ -1199,8 +1190,8 @@ def follow():
 def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
     """backward() on this rank's share of a micro-batch: whole groups (a group never straddles two
     ranks; its advantages were computed before the split). Returns the whole micro-batch's
-    completion tokens, which normalise the step, and (on rank 0) every rank's importance weights
-    and trainer-minus-server logprobs."""
+    completion tokens, which normalise the step, and every rank's importance weights and
+    trainer-minus-server logprobs."""
     lead("backward", seqs, advantages, version, pad_id, measure_all)
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
@@ -1209,12 +1200,11 @@ def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
         model, seqs[share], advantages[share], version, cfg, pad_id, measure_all
     )
     if dist.is_initialized():
-        # the statistics of every rank's share, on rank 0
-        shares = [None] * ranks if rank == 0 else None
-        dist.gather_object((weights, deltas), shares, dst=0)
-        if rank == 0:
-            weights = torch.cat([w for w, _ in shares])
-            deltas = torch.cat([d for _, d in shares])
+        # the statistics of every rank's share
+        shares = [None] * ranks
+        dist.all_gather_object(shares, (weights, deltas))
+        weights = torch.cat([w for w, _ in shares])
+        deltas = torch.cat([d for _, d in shares])
     return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas
 
 

@@ -104,8 +104,8 @@ def test_split_prompts_go_to_the_server_with_the_fewest_pending(router):
 
 
 def test_a_batch_is_spread_over_the_servers_by_prompts(router):
-    """One request per server, each with its share of the prompts; the results in the batch's
-    order, as one server gives them (greedy, same weights)."""
+    """Each prompt to the server with the fewest pending; the results in the batch's order, as
+    one server gives them (greedy, same weights)."""
     plain, data_parallel = router.clients
     prompts = [f"{i}+1=" for i in range(6)]
     future = router.generate(prompts, temperature=0.0, max_tokens=4, is_async=True)
@@ -113,7 +113,6 @@ def test_a_batch_is_spread_over_the_servers_by_prompts(router):
     results = future.result()
     expected = plain.generate(prompts, temperature=0.0, max_tokens=4)
     assert [r[0].token_ids for r in results] == [r[0].token_ids for r in expected]
-    assert future.timing["started"] <= future.timing["finished"]
 
 
 def test_a_busy_server_stays_live_and_takes_the_update(router, hf):
