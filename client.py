@@ -20,7 +20,6 @@ handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server
 
 import base64
 import contextlib
-import functools
 import importlib
 import json
 import math
@@ -656,8 +655,7 @@ class Router(AbortsOnError):
         futures = [futures[i] for i in range(len(prompts))]
         if sampling.get("split_prompts"):
             return futures
-        gather = functools.partial(collect_each, futures)
-        return self.pool.submit(gather) if is_async else gather()
+        return self.pool.submit(collect_each, futures) if is_async else collect_each(futures)
 
     def rollout(self, prompts, **options):
         return self.least_loaded().rollout(prompts, **options)
