@@ -244,26 +244,25 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
     assert all(0 <= r["frac_reward_zero_std"] <= 1 for r in rows)
 
 
-def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def train_py(model_path, tmp_path_factory):
+    """`python train.py` for 3 steps with a server it starts itself, given --server-args: the
+    finished run (subprocess.CompletedProcess) and its --out."""
+    out = tmp_path_factory.mktemp("train-py") / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--model", model_path, "--steps", "3", "--prompts-per-step", "8", "--out", str(out)]
+    flags += ["--server-args", "--max-model-len 300"]
     run = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(root, "train.py"),
-            "--model",
-            model_path,
-            "--steps",
-            "3",
-            "--prompts-per-step",
-            "8",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, os.path.join(root, "train.py"), *flags],
         capture_output=True,
         text=True,
         timeout=600,
     )
+    return run, out
+
+
+def test_train_py_runs_end_to_end_and_stops_its_server(train_py):
+    run, out = train_py
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(open(out / "metrics.jsonl").readlines()) == 3
     assert (out / "plot.png").stat().st_size > 10_000
@@ -272,6 +271,12 @@ def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
         p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
     ]
     assert leftovers == []
+
+
+def test_train_passes_server_args_to_the_server_it_starts(train_py):
+    run, out = train_py
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "max_seq_len=300" in (out / "server0.log").read_text()
 
 
 def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, model_path):
