@@ -17,7 +17,7 @@ import requests
 
 import train
 from client import Client, ServerError, free_port, launch_server, stop_server, tiny_model
-from conftest import GPU_FLAGS
+from conftest import GPU_FLAGS, stop_in_background
 
 ROUTES = [
     "/generate",
@@ -293,7 +293,7 @@ def short(tmp_path_factory):
     proc, client = launch_server("--model", model, *GPU_FLAGS, log_path=folder / "server.log")
     yield model, proc, client
     if proc.poll() is None:
-        stop_server(proc)
+        stop_in_background(proc)
 
 
 def test_the_server_takes_its_context_length_from_the_model(short):
@@ -367,7 +367,7 @@ def strict(model_path, tmp_path_factory):
     )
     yield proc, client, log
     if proc.poll() is None:
-        stop_server(proc)
+        stop_in_background(proc)
 
 
 def test_every_route_but_health_and_metrics_needs_the_key(strict):
