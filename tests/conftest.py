@@ -42,10 +42,6 @@ GPU_FLAGS = (
 # other start in background threads, two at a time (four with a GPU machine's cores), while other
 # tests run; and they stop without the next test waiting for them.
 STARTS = ThreadPoolExecutor(4 if torch.cuda.is_available() else 2)
-# make test runs two pytest-xdist workers (-n 2 --dist loadgroup), each with its own session server:
-# the tests that share a server a module starts for them (these fixtures; a family's server per
-# family) form a group that one worker runs, and that worker starts the server once
-SHARED_SERVERS = ("family", "short", "strict", "servers")
 
 
 def start_server(*flags, **options):
@@ -56,13 +52,6 @@ def start_server(*flags, **options):
 def stop_in_background(proc):
     """stop_server(proc) in a thread; the test session waits for it before it ends."""
     threading.Thread(target=stop_server, args=(proc,)).start()
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        for name in set(SHARED_SERVERS) & set(item.fixturenames):
-            param = item.callspec.params.get(name) if hasattr(item, "callspec") else None
-            item.add_marker(pytest.mark.xdist_group(f"{name}-{param}" if param else name))
 
 
 def position_gradients(model, backward):

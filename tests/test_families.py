@@ -110,9 +110,9 @@ DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 BF16_ATOL = 0.15
 BF16_GAP = 0.1
 # family servers starting while one family's tests run: a start keeps one core busy for ~35 s, a
-# family's tests take a few seconds. Not under pytest-xdist, where this worker does not know which
-# families it will be given (two workers are the parallelism there)
-AHEAD = 0 if "PYTEST_XDIST_WORKER" in os.environ else 3 if torch.cuda.is_available() else 2
+# family's tests take a few seconds. Under make test's pytest-xdist (--dist loadfile: this file in
+# one worker) the other worker keeps the second core busy
+AHEAD = 1 if "PYTEST_XDIST_WORKER" in os.environ else 3 if torch.cuda.is_available() else 2
 
 
 class Served:
