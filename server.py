@@ -393,10 +393,10 @@ async def get_future(request):
         task = tasks[i]
         if task.cancelled() or task.exception():
             state.tasks.pop(i, None)
-            if task.cancelled():
-                raise ApiError(f"request {i} was aborted", 404)
             # a dead engine: its cause, rather than vLLM's "see stack trace (above)"
             error = request.app[ENGINE].error
+            if task.cancelled() and not error:
+                raise ApiError(f"request {i} was aborted", 404)
             raise ApiError(
                 f"request {i} failed: {error or task.exception()}", 503 if error else 422
             )
@@ -575,10 +575,8 @@ async def run_update(app, buckets, mode, receiving, version) -> dict:
         if not receiving.done():
             raise
         if engine.error:
-            return {
-                "error": f"weight update failed; the server exits: {engine.error}",
-                "status": 500,
-            }
+            error = f"weight update failed; the server exits: {engine.error}"
+            return {"error": error, "status": 500}
         # the workers left the group
         app[STATE].transport = None
         error = f"weight update failed, version {engine.version} kept: {e!r}"
@@ -925,6 +923,10 @@ async def watch_engine(app):
         await asyncio.sleep(1)
     print(f"engine failed: {app[ENGINE].error}; stopping the server", file=sys.stderr, flush=True)
     app[STATE].engine_died = True
+    # its requests can never finish: answer their waiters now (503), rather than keep the server
+    # from exiting until aiohttp's graceful shutdown gives up on them (60 s)
+    for task, _ in app[STATE].tasks.values():
+        task.cancel()
     # aiohttp's run_app shuts down gracefully on SIGTERM
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -622,8 +622,7 @@ def draw_timeline(ax, history, steps=4):
         bars = [(a - t0, b - a) for h in shown for a, b in h["intervals"][key]]
         ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, alpha=0.5)
     ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
-    span = f"{shown[0]['step']}-{shown[-1]['step']}"
-    ax.set_xlabel(f"seconds (steps {span}; one bar per micro-batch)")
+    ax.set_xlabel(f"seconds, steps {shown[0]['step']}-{shown[-1]['step']}: a bar per micro-batch")
 
 
 # -- the loop --------------------------------------------------------------------------------------

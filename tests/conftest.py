@@ -1,11 +1,15 @@
-"""One real server on the tiny model, shared by the whole test session.
+"""One real server on the tiny model, shared by the whole test session, and the helpers that start
+the other servers side by side.
 
-Run: make test   (or: .venv/bin/python -m pytest tests)
-On a GPU machine the same tests run against a server on the GPU (see the README's GPU section).
+Run: make test   (or: .venv/bin/python -m pytest tests --durations=10)
+On a GPU machine the same tests run against a server on the GPU; `make test-gpu` (or
+`python3 -m pytest -m gpu`) runs the ones whose code path differs there (docs/testing.md).
 """
 
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,12 +22,33 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 from client import launch_server, stop_server, tiny_model  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU"
+)
 # on a GPU the session server takes little memory: tests start more engines and trainers beside it
 GPU_FLAGS = (
     ("--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager")
     if torch.cuda.is_available()
     else ()
 )
+
+
+# -- servers started side by side --------------------------------------------------------------
+# A server takes ~35 s of one core to start (three processes import vLLM one after the other) and
+# ~6 s to stop. Most of the suite's time is spent there, so servers that do not depend on each
+# other start in background threads, two at a time (four with a GPU machine's cores), while other
+# tests run; and they stop without the next test waiting for them.
+STARTS = ThreadPoolExecutor(4 if torch.cuda.is_available() else 2)
+
+
+def start_server(*flags, **options):
+    """launch_server(*flags, **options) in the background: a Future of (process, Client)."""
+    return STARTS.submit(launch_server, *flags, **options)
+
+
+def stop_in_background(proc):
+    """stop_server(proc) in a thread; the test session waits for it before it ends."""
+    threading.Thread(target=stop_server, args=(proc,)).start()
 
 
 def position_gradients(model, backward):
@@ -46,17 +71,23 @@ def model_path():
     return tiny_model()
 
 
-@pytest.fixture(scope="session")
-def server(model_path, tmp_path_factory):
+def start_session_server(log_path):
     # tools of one's own (tests/my_tools.py), a plain one and an async one that times out
     tools = [f"--tool={name}=tests.my_tools:{name}" for name in ("reverse", "shout", "slow")]
-    proc, client = launch_server(
-        *tools,
-        *GPU_FLAGS,
-        "--tool-timeout",
-        "2",
-        log_path=tmp_path_factory.mktemp("server") / "server.log",
-    )
+    return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "2", log_path=log_path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_server_start(request, model_path, tmp_path_factory):
+    """The session server starts with the session (if a collected test uses it), and comes up
+    while the first tests run."""
+    if any("server" in item.fixturenames for item in request.session.items):
+        return start_session_server(tmp_path_factory.mktemp("server") / "server.log")
+
+
+@pytest.fixture(scope="session")
+def server(session_server_start):
+    proc, client = session_server_start.result()
     yield client
     stop_server(proc)
 

@@ -21,7 +21,7 @@ from test_weight_sync import hf_greedy, perturbed, wait_for_in_flight
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import Router, free_port, launch_server, stop_server
-from conftest import GPU_FLAGS
+from conftest import GPU_FLAGS, stop_in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the data-parallel server's replicas: on the CPU both share it; on GPUs each needs its own
@@ -57,7 +57,7 @@ def servers(model_path, tmp_path_factory):
         yield started
     finally:
         for proc, _ in started.values():
-            stop_server(proc)
+            stop_in_background(proc)
 
 
 @pytest.fixture
@@ -154,6 +154,7 @@ def test_after_updates_every_server_serves_one_version_with_the_new_weights(rout
     router.update_model_params(model)
 
 
+@pytest.mark.gpu
 @needs_data_parallel
 def test_every_replica_of_a_data_parallel_server_loads_the_update(router, hf):
     """Before data_parallel_index was read, both replicas' workers took one rank in the weight

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import train
 from client import launch_server, stop_server
-from conftest import GPU_FLAGS
+from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
 
 
 def random_batch(n, seed):
@@ -126,8 +126,12 @@ def trainer_gradient(model, seqs, advantages, **memory):
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
 
-def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(model_path):
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+)
+def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(model_path, device):
+    """On a GPU too: bf16 autocast and gradient checkpointing run CUDA kernels of their own."""
+    model = train.load_model(model_path, device)
     prompts, completions, advantages = random_batch(12, seed=5)
     seqs = seqs_of(prompts, completions)
     whole = trainer_gradient(model, seqs, advantages)
@@ -143,6 +147,8 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     # close, not equal
     bf16 = trainer_gradient(model, seqs, advantages, bf16=True, train_micro_batch=4)
     assert not torch.equal(bf16, whole) and torch.cosine_similarity(bf16, whole, dim=0) > 0.99
+    both = trainer_gradient(model, seqs, advantages, bf16=True, gradient_checkpointing=True)
+    assert torch.cosine_similarity(both, whole, dim=0) > 0.99
 
 
 def test_groups_with_equal_rewards_get_no_forward_and_leave_the_gradient_unchanged(model_path):
@@ -222,6 +228,7 @@ def test_reward_reads_the_last_number():
     assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["overlap", "sync-batch"])
 def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, schedule):
     v0 = server.health()["version"]
@@ -251,26 +258,25 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
     assert all(0 <= r["frac_reward_zero_std"] <= 1 for r in rows)
 
 
-def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def train_py(model_path, tmp_path_factory):
+    """`python train.py` for 3 steps with a server it starts itself, given --server-args: the
+    finished run (subprocess.CompletedProcess) and its --out."""
+    out = tmp_path_factory.mktemp("train-py") / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--model", model_path, "--steps", "3", "--prompts-per-step", "8", "--out", str(out)]
+    flags += ["--server-args", "--max-model-len 300"]
     run = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(root, "train.py"),
-            "--model",
-            model_path,
-            "--steps",
-            "3",
-            "--prompts-per-step",
-            "8",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, os.path.join(root, "train.py"), *flags],
         capture_output=True,
         text=True,
         timeout=600,
     )
+    return run, out
+
+
+def test_train_py_runs_end_to_end_and_stops_its_server(train_py):
+    run, out = train_py
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(open(out / "metrics.jsonl").readlines()) == 3
     assert (out / "plot.png").stat().st_size > 10_000
@@ -281,6 +287,37 @@ def test_train_py_runs_end_to_end_and_stops_its_server(model_path, tmp_path):
     assert leftovers == []
 
 
+def test_train_passes_server_args_to_the_server_it_starts(train_py):
+    run, out = train_py
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "max_seq_len=300" in (out / "server0.log").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "device", [pytest.param("cuda", marks=needs_cuda), pytest.param("cuda:1", marks=needs_two_gpus)]
+)
+def test_train_py_trains_on_a_gpu(model_path, tmp_path, device):
+    """The README's GPU commands for a few steps: `--device cuda` (the server train.py starts takes
+    30% of GPU 0, the trainer the rest; weights over CUDA IPC) and `--device cuda:1` (the trainer on
+    GPU 1; NCCL)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--model", model_path, "--device", device, "--steps", "3", "--out", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, os.path.join(root, "train.py"), *flags + ["--prompts-per-step", "8"]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    # one version per step (train.py checks every sample's), and the pushed weights are the
+    # trainer's: a GPU server's float32 kernels and the trainer's differ by ~3e-3
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert all(r["mismatch_max"] < 1e-2 for r in rows)
+
+
+@pytest.mark.gpu
 def test_server_logprobs_are_the_trainers_at_the_sampling_temperature(server, model_path):
     """The server reports the logprobs of the distribution it sampled from (temperature applied);
     the trainer recomputes the same numbers on the same weights."""

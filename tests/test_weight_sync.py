@@ -1,4 +1,5 @@
-"""Versioned weight sync into the running server, over real gloo transfers.
+"""Versioned weight sync into the running server, over real gloo transfers (and on a GPU machine
+CUDA IPC and NCCL: the tests marked gpu).
 
 Run: .venv/bin/python -m pytest tests/test_weight_sync.py
 """
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
 from client import Client, ServerError, launch_server, pack, stop_server
-from conftest import GPU_FLAGS, needs_cuda
+from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
@@ -29,7 +30,11 @@ def hf(model_path):
     ), AutoTokenizer.from_pretrained(model_path)
 
 
-@pytest.fixture(params=["gloo", "ipc"] if torch.cuda.is_available() else ["gloo"])
+@pytest.fixture(
+    params=["gloo", pytest.param("ipc", marks=pytest.mark.gpu)]
+    if torch.cuda.is_available()
+    else ["gloo"]
+)
 def trainer(server, request):
     """The server with a trainer (this process) set up for weight sync over each transport it can
     use."""
@@ -65,6 +70,7 @@ def server_greedy(client, prompts=PROMPTS, max_tokens=24):
     return [r[0].token_ids for r in results], {r[0].version for r in results}
 
 
+@pytest.mark.gpu
 def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf):
     model, tokenizer = hf
     v0 = trainer.health()["version"]
@@ -91,6 +97,7 @@ def wait_for_status(client, status, timeout=30):
         time.sleep(0.01)
 
 
+@pytest.mark.gpu
 def test_request_in_flight_keeps_old_version_and_request_during_update_gets_new(trainer, hf):
     v0 = trainer.health()["version"]
     early = trainer.generate(["in flight"], n=4, max_tokens=1000, ignore_eos=True, is_async=True)
@@ -118,6 +125,7 @@ def hf_continue(model, ids, n):
     return ids[-n:]
 
 
+@pytest.mark.gpu
 def test_a_request_spanning_an_in_flight_update_goes_on_with_the_new_weights(trainer, hf):
     model, tokenizer = hf
     new, v0 = perturbed(model, seed=7), trainer.health()["version"]
@@ -214,14 +222,7 @@ os._exit(1)
     "transport,device",
     [
         ("gloo", "cpu"),
-        pytest.param(
-            "nccl",
-            "cuda:1",
-            marks=pytest.mark.skipif(
-                torch.cuda.device_count() < 2,
-                reason="needs two GPUs: NCCL refuses two ranks on one GPU",
-            ),
-        ),
+        pytest.param("nccl", "cuda:1", marks=[pytest.mark.gpu, needs_two_gpus]),
     ],
 )
 @pytest.mark.parametrize("mode", ["drain", "in-flight"])
@@ -412,6 +413,7 @@ def test_a_trainer_without_vllm_pushes_weights(server, hf, tmp_path, restore_wei
     assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 1})
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "body,word",
     [
@@ -434,6 +436,7 @@ def test_a_transport_the_server_cannot_follow_is_refused(server, body, word):
     assert server.generate(["still serving"], max_tokens=4)[0][0].finish_reason is not None
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
     server.init_communicator()
@@ -447,9 +450,8 @@ def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
         server.close_communicator()
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one GPU"
-)
+@pytest.mark.gpu
+@needs_two_gpus
 def test_nccl_update_from_a_trainer_on_another_gpu(server, hf):
     model, tokenizer = hf
     new = perturbed(model, seed=4)
