@@ -789,9 +789,9 @@ def accumulate_step(rollouts, model, tok, measure_all):
     """Submit the queued steps not submitted yet; collect the oldest one's samples (with the
     chosen schedule) and accumulate the policy gradient of each micro-batch as it lands, its
     versions checked (check_versions); `measure_all`: compute the logprobs of the skipped samples
-    too (backward). Returns the step's rewards, tokens,
-    per-token staleness, importance weights, trainer-minus-server logprobs, and the intervals
-    (time.time()) of generation on the server and training here ("sync": the loop's)."""
+    too (backward). Returns the step's rewards, tokens, per-token staleness, importance weights,
+    trainer-minus-server logprobs, and the intervals (time.time()) of generation on the server and
+    training here ("sync": the loop's)."""
     cfg = rollouts.cfg
     rollouts.submit_queued()
     queued = rollouts.queue[0]
