@@ -302,9 +302,14 @@ def test_train_py_trains_on_a_gpu(model_path, tmp_path, device):
     30% of GPU 0, the trainer the rest; weights over CUDA IPC) and `--device cuda:1` (the trainer on
     GPU 1; NCCL)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = ["--model", model_path, "--device", device, "--steps", "3", "--out", str(tmp_path)]
+    flags = ["--model", model_path, "--device", device, "--out", str(tmp_path)]
+    flags += ["--steps", "3", "--prompts-per-step", "8"]
+    # eager: compiling the server's model takes a GPU start from ~30 s to ~70 s; a KV cache of a
+    # given size: vLLM then skips its memory profiling, which fails when another process (a
+    # server stopping in the background) frees GPU memory meanwhile
+    flags += ["--server-args", f"--enforce-eager --kv-cache-memory-bytes {1 << 30}"]
     run = subprocess.run(
-        [sys.executable, os.path.join(root, "train.py"), *flags + ["--prompts-per-step", "8"]],
+        [sys.executable, os.path.join(root, "train.py"), *flags],
         capture_output=True,
         text=True,
         timeout=600,
