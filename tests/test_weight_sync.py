@@ -345,8 +345,10 @@ def test_a_load_that_fails_part_way_stops_the_server_non_zero(hf, tmp_path, monk
         # nothing is served on the mixed weights, and the server exits for a supervisor to restart
         with pytest.raises((ServerError, ConnectionError)):
             client.generate(["mixed?"], max_tokens=2)
-        with pytest.raises((ServerError, ConnectionError)):
-            paused.result()
+        if mode == "in-flight":
+            # paused by the update: it never goes on (drain: it finished, fetched, before it)
+            with pytest.raises((ServerError, ConnectionError)):
+                paused.result()
         assert proc.wait(60) != 0
         assert "engine failed" in (tmp_path / "server.log").read_text()
     finally:
