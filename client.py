@@ -794,7 +794,8 @@ def launch_server(
         try:
             client.health(timeout=2)
             return proc, client
-        except ConnectionError:
+        # not listening yet, or too busy starting to answer within 2 s
+        except (ConnectionError, requests.Timeout):
             time.sleep(0.5)
     stop_server(proc)
     raise TimeoutError(f"server did not start within {timeout} s; see {log_path}")
@@ -811,6 +812,29 @@ def stop_server(proc):
 
 # -- the built-in tiny model: tests and the demo build it (nothing is downloaded; no vLLM needed) --
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen2")
+# tiny_model's shapes: its own (2 layers of 128), and Qwen2.5's (embeddings tied, as there) with
+# Qwen2's initialisation scale, at which bfloat16 rounding moves logprobs by ~0.01, not ~1
+SHAPES = {
+    "tiny": {},
+    "0.5b": dict(
+        hidden_size=896,
+        num_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        initializer_range=0.02,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        initializer_range=0.02,
+    ),
+}
 
 
 def tiny_model(

@@ -328,38 +328,13 @@ def failing_server(load, tmp_path, monkeypatch):
     return launch_server(*GPU_FLAGS, log_path=tmp_path / "server.log")
 
 
-@pytest.mark.parametrize("mode", ["drain", "in-flight"])
-def test_a_load_that_fails_part_way_stops_the_server_non_zero(hf, tmp_path, monkeypatch, mode):
-    proc, client = failing_server(1, tmp_path, monkeypatch)
-    try:
-        client.init_communicator(transport="gloo")
-        # in-flight: paused by the update, never resumed on the mixed weights
-        paused = client.generate(["x"], max_tokens=1900, ignore_eos=True, is_async=True)
-        if mode == "in-flight":
-            wait_for_in_flight(client, seconds=0)
-        else:
-            paused.result()
-        with pytest.raises(ServerError) as failed:
-            client.update_model_params(perturbed(hf[0], seed=6), mode=mode)
-        assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
-        # nothing is served on the mixed weights, and the server exits for a supervisor to restart
-        with pytest.raises((ServerError, ConnectionError)):
-            client.generate(["mixed?"], max_tokens=2)
-        if mode == "in-flight":
-            # paused by the update: it never goes on (drain: it finished, fetched, before it)
-            with pytest.raises((ServerError, ConnectionError)):
-                paused.result()
-        assert proc.wait(60) != 0
-        assert "engine failed" in (tmp_path / "server.log").read_text()
-    finally:
-        if proc.poll() is None:
-            stop_server(proc)
-
-
-def test_a_trainer_whose_push_fails_to_load_stops_without_reconnecting(
+def test_a_load_that_fails_part_way_stops_the_server_non_zero_and_the_trainer_at_once(
     model_path, tmp_path, monkeypatch
 ):
-    # the trainer's first push loads; its second, after step 0, fails
+    """Drain updates, from train.py: its first push loads, its second (after step 0) fails part
+    way. The trainer stops with the server's error rather than reconnecting (it would wait
+    --reconnect-timeout for a server that exits), nothing is served on the mixed weights, and the
+    server exits non-zero for a supervisor to restart it."""
     proc, client = failing_server(2, tmp_path, monkeypatch)
     cfg = train.Config(
         model=model_path,
@@ -367,14 +342,41 @@ def test_a_trainer_whose_push_fails_to_load_stops_without_reconnecting(
         prompts_per_step=4,
         micro_batches=2,
         group_size=2,
-        out=str(tmp_path),
+        out=str(tmp_path / "run"),
         reconnect_timeout=600,
     )
     try:
-        # a reconnecting trainer would wait --reconnect-timeout for a server that exits
         with pytest.raises(ServerError) as failed:
             train.train(cfg, client)
         assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
+        with pytest.raises((ServerError, ConnectionError)):
+            client.generate(["mixed?"], max_tokens=2)
+        assert proc.wait(60) != 0
+        assert "engine failed" in (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+def test_an_in_flight_load_that_fails_part_way_never_resumes_the_paused_requests(
+    hf, tmp_path, monkeypatch
+):
+    proc, client = failing_server(1, tmp_path, monkeypatch)
+    try:
+        client.init_communicator(transport="gloo")
+        # paused by the update, never resumed on the mixed weights
+        paused = client.generate(["x"], max_tokens=1900, ignore_eos=True, is_async=True)
+        wait_for_in_flight(client, seconds=0)
+        with pytest.raises(ServerError) as failed:
+            client.update_model_params(perturbed(hf[0], seed=6), mode="in-flight")
+        assert failed.value.status == 500 and "ASYNC_GRPO_FAIL_LOAD" in failed.value.message
+        # nothing is served on the mixed weights, and the server exits for a supervisor to restart
+        with pytest.raises((ServerError, ConnectionError)):
+            client.generate(["mixed?"], max_tokens=2)
+        with pytest.raises((ServerError, ConnectionError)):
+            paused.result()
+        assert proc.wait(60) != 0
+        assert "engine failed" in (tmp_path / "server.log").read_text()
     finally:
         if proc.poll() is None:
             stop_server(proc)
