@@ -812,29 +812,25 @@ def stop_server(proc):
 
 # -- the built-in tiny model: tests and the demo build it (nothing is downloaded; no vLLM needed) --
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen2")
-# tiny_model's shapes: its own (2 layers of 128), and Qwen2.5's (embeddings tied, as there) with
-# Qwen2's initialisation scale, at which bfloat16 rounding moves logprobs by ~0.01, not ~1
-SHAPES = {
-    "tiny": {},
-    "0.5b": dict(
-        hidden_size=896,
-        num_layers=24,
-        num_attention_heads=14,
+
+
+def qwen25(hidden, layers, heads, intermediate):
+    """tiny_model's arguments for a shape of Qwen2.5's: 2 KV heads, its vocabulary (the embeddings
+    tied, as there), and Qwen2's initialisation scale, at which bfloat16 rounding moves logprobs by
+    ~0.01, not ~1."""
+    return dict(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=2,
-        intermediate_size=4864,
+        intermediate_size=intermediate,
         vocab_size=151936,
         initializer_range=0.02,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        num_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        initializer_range=0.02,
-    ),
-}
+    )
+
+
+# tiny_model's shapes: its own (2 layers of 128) and Qwen2.5's
+SHAPES = {"tiny": {}, "0.5b": qwen25(896, 24, 14, 4864), "1.5b": qwen25(1536, 28, 12, 8960)}
 
 
 def tiny_model(

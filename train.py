@@ -20,6 +20,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -45,6 +46,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import (
     DTYPES,
+    SHAPES,
+    TINY_MODEL_DIR,
     Client,
     Episode,
     Router,
@@ -70,8 +73,12 @@ def flag(default, help, choices=None, at_least=None):
 class Config:
     """The flags (`python train.py --help` prints this too). More on some of them:
 
-    --task calculator: multi-turn episodes that may call the 'calc' tool, trained with their loss
-      mask (1 on the tokens the model sampled, 0 on the tools' answers).
+    --task: addition, the CPU demo's ("3+4=" -> "7"); sums, the GPU workload's (add up 2-16
+      numbers writing each running total, so completion lengths vary; each total scores by how
+      close it is); calculator, multi-turn episodes that may call the 'calc' tool, trained
+      with their loss mask (1 on the tokens the model sampled, 0 on the tools' answers).
+    --model-size: the built-in model (without --model) is client.tiny_model of this shape (tiny:
+      2 layers; 0.5b and 1.5b: Qwen2.5's), warm-started on the task (warm_start), both cached.
     --dtype: the trainer keeps float32 weights; a server train.py starts serves --dtype (default
       float32); with --server-url the server's own --dtype decides, and another one is an error.
     --device: cpu sends the weights over gloo; cuda over CUDA IPC when the server is on the same
@@ -97,12 +104,13 @@ class Config:
       reward: pass@k for k = 1, 2, 4, ... <= --eval-n."""
 
     # model, data, and where things run
-    model: str = flag("", "HF folder or hub id (default: the built-in tiny model, warm-started)")
-    warm_start_steps: int = flag(100, "supervised steps teaching the tiny model the answer format")
+    model: str = flag("", "HF folder or hub id (default: the built-in model, warm-started)")
+    model_size: str = flag("tiny", "the built-in model's shape (client.SHAPES)", list(SHAPES))
+    warm_start_steps: int = flag(100, "supervised steps teaching the built-in model the task")
     dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
     success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
-    task: str = flag("addition", "the built-in data and reward", ["addition", "calculator"])
+    task: str = flag("addition", "the built-in data and reward", ["addition", "calculator", "sums"])
     max_turns: int = flag(3, "calculator task: model turns per episode", at_least=1)
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
     server_url: str = flag("", "running servers: URL or URL,URL,... (default: --num-servers)")
@@ -211,11 +219,27 @@ def calculator_data(n, seed):
     return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
 
 
+def sums_data(n, seed):
+    """The GPU workload's task: add up 2-16 numbers of 1-2 digits, writing the running total after
+    each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt to
+    prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, 16))]
+        totals = list(itertools.accumulate(terms))
+        steps = [f"{total}+{term}={total + term}" for total, term in zip(totals, terms[1:])]
+        row = {"prompt": "Sum " + " ".join(map(str, terms)) + ":", "answer": str(totals[-1])}
+        # what the reward checks, and what the warm start teaches
+        rows.append(row | {"totals": totals[1:], "solution": " " + " ".join(steps)})
+    return rows
+
+
 def load_data(cfg):
     """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
     evaluating), and no training row has one of their prompts."""
     if not cfg.dataset:
-        data = (calculator_data if cfg.task == "calculator" else addition_data)(100_000, cfg.seed)
+        data = TASKS[cfg.task][0](100_000, cfg.seed)
     else:
         data = read_dataset(cfg.dataset, reward_function(cfg))
     if not (cfg.eval_every or cfg.eval_only):
@@ -274,6 +298,23 @@ def answer_reward(completion: str, row: dict) -> float:
     return reward(completion, row["answer"])
 
 
+def sums_reward(completion: str, row: dict) -> float:
+    """The sums task's reward: each running total the completion writes ("=19"), in order, scores
+    1 if right and less the further off it is (0 from twice or nothing), one not written 0; the
+    mean over the row's totals. 1 when every step, and so the answer, is right."""
+    written = [int(number) for number in re.findall(r"=(\d+)", completion)]
+    scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
+    return sum(scores) / len(row["totals"])
+
+
+# the built-in tasks (--task): their data, (n, seed) -> rows, and their reward
+TASKS = {
+    "addition": (addition_data, addition_reward),
+    "calculator": (calculator_data, answer_reward),
+    "sums": (sums_data, sums_reward),
+}
+
+
 def distance(completion, answer):
     """|the last number in the completion - the answer|, inf where there is none."""
     numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
@@ -286,8 +327,7 @@ def distance(completion, answer):
 def reward_function(cfg):
     """--reward's function (module:function, importable from here), else the task's own."""
     if not cfg.reward:
-        builtin = not cfg.dataset and cfg.task == "addition"
-        return addition_reward if builtin else answer_reward
+        return answer_reward if cfg.dataset else TASKS[cfg.task][1]
     return load_function(cfg.reward, "--reward")
 
 
@@ -308,27 +348,42 @@ def load_model(path, device="cpu"):
     return model
 
 
-def warm_start(base, path, steps, seed):
-    """Teach the tiny model the answer *format* ("a+b=" -> a number, then end-of-text) with
-    random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums."""
+def builtin_model(cfg):
+    """The built-in model: client.tiny_model of --model-size (seeded, nothing downloaded),
+    warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
+    size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
+    base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])
+    return warm_start(base, f"{base}-{cfg.task}-{cfg.warm_start_steps}", cfg)
+
+
+def warm_start(base, path, cfg):
+    """--warm-start-steps supervised steps of 64 prompts on --device (bf16 autocast with --bf16):
+    - addition (and calculator): the answer *format*, "a+b=" -> a number, then end-of-text, with
+      random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums;
+    - sums: worked solutions, right: a model that can already answer, as RL starts from, and
+      whose answers are right in part (on the GPU, about a minute for the 0.5B shape)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    model = load_model(base)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model = load_model(base, cfg.device)
     tok = AutoTokenizer.from_pretrained(base)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        rows = addition_data(64, rng.random())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
+    for _ in tqdm(range(cfg.warm_start_steps), desc=f"warm start on {cfg.task}"):
+        rows = TASKS["sums" if cfg.task == "sums" else "addition"][0](64, rng.random())
+        # addition: any sum 0..8
+        answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
         prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
-        # any sum 0..8
-        answer_ids = [tok(str(rng.randrange(9))).input_ids + [tok.eos_token_id] for _ in rows]
+        answer_ids = [tok(a).input_ids + [tok.eos_token_id] for a in answers]
         batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
-        loss = -(token_logprobs(model, batch) * batch["mask"]).sum() / batch["mask"].sum()
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
+            logprobs = token_logprobs(model, batch)
+        loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    save_model(model, tok, path)
+    save_model(model.cpu(), tok, path)
     return path
 
 
@@ -894,13 +949,6 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled]
 
 
-def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
-    """The best speed-up over generating and then training, for these times: on-policy, the
-    overlap hides all but one of N micro-batches of the shorter phase; one step stale, all of it."""
-    hidden = 0 if max_staleness else min(gen_s, train_s) / N
-    return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
-
-
 def optimizer_step(model, opt, stats, cfg):
     lead("step", {"tokens": stats["tokens"], "train": []})
     # the loss normalisation: divide the summed gradient by every completion token of the step
@@ -957,7 +1005,6 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
-        "bound": overlap_bound(gen_s, train_s, sync_s, cfg.micro_batches, cfg.max_staleness),
         "staleness": stats["staleness"].float().mean().item(),
         "staleness_max": int(stats["staleness"].max()),
         "is_weight_mean": w.mean().item(),
@@ -1102,8 +1149,7 @@ def main(argv=None):
             return follow()
     # without --model, --eval-only --server-url evaluates the weights that server holds
     if not cfg.model and not (cfg.eval_only and cfg.server_url):
-        base = tiny_model()
-        cfg.model = warm_start(base, base + "-addition", cfg.warm_start_steps, cfg.seed)
+        cfg.model = builtin_model(cfg)
     print(json.dumps(asdict(cfg)))
     # before any server starts: a run is never overwritten, and every row of the data is checked
     if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):

@@ -1,24 +1,25 @@
 """GRPO step time of every schedule and update mode against the strongest synchronous loop.
 
-    # 48 prompts x 8 x <=32 tokens per step, N=4: G ~ T
+    # CPU: the tiny model, 48 prompts x 8 x <=64 tokens per step, N=4
     .venv/bin/python bench/overlap.py
-    # a bigger model: T grows faster than G
-    .venv/bin/python bench/overlap.py --steps 6 --num-layers 6
-    # two GPUs: 64 prompts x 8 x <=128 tokens, ~1.06B params; one GPU: --device cuda
-    python3 bench/overlap.py --device cuda:1 --dtype bfloat16
+    # two GPUs: the 0.5B shape, 64 prompts x 8 x <=256 tokens; one GPU: --device cuda
+    python3 bench/overlap.py --device cuda:1
+
+The workload is train.py's own, the one the GPU demo learns on: --task sums (add up 2-16 numbers,
+writing each running total: completion lengths vary from prompt to prompt, 10-170 tokens; the
+reward scores each total by how close it is, so it varies inside a group) on the built-in model of
+--model-size (train.builtin_model: tiny on the CPU, Qwen2.5-0.5B's shape on GPUs), warm-started on
+worked sums (cached in .cache/), sampled at temperature 1.
 
 CPU (--device cpu, the default): core 0 plays the inference GPU: the server is started pinned to it
 (its children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
 GPU: this process, one torch thread.
-GPUs: no pinning. The server is started on GPU 0 (launch_server's default GPU) with --dtype DTYPE,
---max-num-seqs = the sequences of K+1 steps (vLLM's default there is 128 at a time) and
+GPUs: no pinning. The server is started on GPU 0 (launch_server's default GPU) with --dtype
+bfloat16, --max-num-seqs = the sequences of K+1 steps (vLLM's default there is 128 at a time) and
 --gpu-memory-utilization 0.5 (--device cuda:1: this process trains on cuda:1 and pushes over NCCL)
 or 0.4 (--device cuda: this process trains on cuda:0 beside the server and pushes over CUDA IPC),
 compiled with CUDA graphs (no --enforce-eager). The trainer keeps fp32 master weights with bf16
-autocast. The model is bigger than on CPU (by default hidden 2048 x 28 layers, 32 heads of 64, 16
-KV heads: ~1.06B parameters, random weights in --dtype) and so is the step (64 prompts x 8 x <=128
-tokens), so that generation (G) and training (T) take times of one order per step; the `G/T=` line
-shows how close they came: --num-layers, --hidden-size or --max-tokens move them.
+autocast.
 Either way `train.train` runs once per schedule on one server, with the same Config except these:
   sync-batch      the baseline: the whole step as one batch, then train
   overlap         K = 0: the whole step submitted at once, micro-batches of prompts trained on in
@@ -28,23 +29,22 @@ Either way `train.train` runs once per schedule on one server, with the same Con
   in-flight K=1   the same, but each push pauses the requests in flight and they go on with the
                   new weights (--update-mode in-flight): generation never waits for a push
   in-flight K=2   two steps ahead: bigger batches for the engine, tokens up to 2 versions old
-Each run first pushes the checkpoint's weights, so all start from one policy.
+Each run first pushes the checkpoint's weights, so all start from one policy; the learning rate is
+small, so that the policy (and the work per step) stays put.
 
-The workload: a Qwen2 from `client.tiny_model` that is *not* warm-started, sampling at temperature 1
-until its end-of-text token or `--max-tokens`, so completion lengths vary from prompt to prompt (a
-long tail at the limit). The reward (last number == a+b) is rarely 1: the gradients are real but
-noisy, which is all a timing benchmark needs.
-
-Per schedule, medians over steps after the first `--warmup` of train.py's metrics.jsonl: G
-(`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`, the push), idle (the trainer
-waiting for samples), step, tokens; then over those steps together: the engine's idle seconds per
-step (the steps' span less the union of the spans in which some request of a micro-batch was
-generating: a request paused by an in-flight update counts as generating) and completion tokens per
-second. Then `G/T=` of the sync-batch run. The last lines are `<name>_speedup=<x>` for each
-schedule (sync-batch's step time over its own), `bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N +
-S) from sync-batch: on-policy overlap's best) and `stale_bound=` ((G+T+S) / (max(G,T) + S)). Then
-it draws `--out`/timeline.png: three steps each of sync-batch, overlap, drain K=1 and in-flight
-K=1 on one time axis (train.draw_timeline).
+Per schedule, over the steps after the first `--warmup` of train.py's metrics.jsonl: the median of
+G (`gen_s`, the server's generation span), T (`train_s`), S (`sync_s`, the push), idle (the trainer
+waiting for samples), tokens, and the step with its min and max; the trainer-server mismatch (mean
+|logprob difference| of the sampled tokens); then over those steps together: the engine's idle
+seconds per step (the steps' span less the union of the spans in which some request of a
+micro-batch was generating: a request paused by an in-flight update counts as generating) and
+completion tokens per second. Then each run's share of zero-advantage groups and gradient norms:
+a run that skipped more than half its groups, or had a zero gradient, stops the benchmark (exit
+1) before any speed-up is printed (bench/runs.py). Then `G/T=` of the sync-batch run. The last
+lines are `<name>_speedup=<x>` for each schedule (sync-batch's median step over its own),
+`bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from sync-batch: on-policy overlap's best) and
+`stale_bound=` ((G+T+S) / (max(G,T) + S)). Then it draws `--out`/timeline.png: three steps each of
+sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis (train.draw_timeline).
 """
 
 import argparse
@@ -58,14 +58,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from runs import refuse_hollow  # noqa: E402
 
 import train  # noqa: E402
-from client import TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
+from client import SHAPES, Client, launch_server, stop_server  # noqa: E402
 
 
 def medians(history, warmup):
-    """Per-step medians of G, T, S, idle, step, tokens, skipping the warm-up steps; the engine's
-    idle seconds per step and tokens per second over those steps."""
+    """Per-step medians of G, T, S, idle, step (and its min and max), tokens and the mismatch,
+    skipping the warm-up steps; the engine's idle seconds per step and tokens per second over
+    those steps."""
     rows = history[warmup:]
     keys = {
         "G": "gen_s",
@@ -76,6 +78,11 @@ def medians(history, warmup):
         "tokens": "tokens",
     }
     result = {k: statistics.median(r[v] for r in rows) for k, v in keys.items()}
+    # measured on the tokens of the current weights: a stale run's steps after its first have none
+    mismatch = [r["mismatch_mean"] for r in history if r["mismatch_mean"] is not None]
+    result["mismatch"] = statistics.median(mismatch) if mismatch else math.nan
+    result["step_min"] = min(r["step_s"] for r in rows)
+    result["step_max"] = max(r["step_s"] for r in rows)
     spans = [span for r in rows for k in ("gen", "train", "sync") for span in r["intervals"][k]]
     start, end = min(a for a, _ in spans), max(b for _, b in spans)
     busy, reached = 0.0, start
@@ -89,15 +96,17 @@ def medians(history, warmup):
 
 # the defaults that depend on --device: (CPU, GPU)
 DEFAULTS = {
-    "hidden_size": (256, 2048),
-    "num_layers": (4, 28),
+    "model_size": ("tiny", "0.5b"),
     "prompts_per_step": (48, 64),
-    "max_tokens": (32, 128),
+    "max_tokens": (64, 256),
+    "lr": (1e-4, 1e-5),
 }
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--device",
         choices=["cpu", "cuda", "cuda:1"],
@@ -105,49 +114,20 @@ def main():
         help="cpu: server on core 0, trainer on core 1; cuda: both on GPU 0; "
         "cuda:1: server on GPU 0, trainer on GPU 1 (see above)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="the model's and the server's weight dtype (the trainer keeps fp32 master weights)",
-    )
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per schedule")
+    p.add_argument("--model-size", choices=list(SHAPES), help="default: tiny on CPU, 0.5b on GPUs")
+    p.add_argument("--warm-start-steps", type=int, default=None, help="default: 100 CPU, 400 GPU")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per schedule")
     p.add_argument(
         "--warmup", type=int, default=2, help="first steps of each schedule left out of the medians"
     )
-    p.add_argument(
-        "--hidden-size",
-        type=int,
-        default=None,
-        help="hidden size of the tiny Qwen2 "
-        "(bigger: T grows faster than G; default 256 on CPU, 2048 on GPUs)",
-    )
-    p.add_argument(
-        "--num-layers",
-        type=int,
-        default=None,
-        help="layers of the tiny Qwen2 (default 4 on CPU, 28 on GPUs)",
-    )
-    p.add_argument(
-        "--prompts-per-step",
-        type=int,
-        default=None,
-        help="prompts per optimizer step (default 48 on CPU, 64 on GPUs)",
-    )
+    p.add_argument("--prompts-per-step", type=int, help="default: 48 on CPU, 64 on GPUs")
     p.add_argument("--micro-batches", type=int, default=4, help="N: micro-batches per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="completion length limit (default 32 on CPU, 128 on GPUs)",
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=1e-4,
-        help="small, so the policy (and its completion lengths, i.e. the work per step) stays put",
-    )
+    p.add_argument("--max-tokens", type=int, help="completion length limit (64 CPU, 256 GPU)")
+    p.add_argument("--lr", type=float, help="default 1e-4 on CPU, 1e-5 on GPUs: small, see above")
+    p.add_argument("--reward", default="", help="train.py's --reward (default: the task's)")
+    p.add_argument("--runs", default=",".join(RUNS), help="the schedules to run, sync-batch first")
+    p.add_argument("--server-url", default="", help="a running server on the model (default: one)")
     p.add_argument(
         "--out",
         default=os.path.join(ROOT, "runs", "bench-overlap"),
@@ -158,52 +138,38 @@ def main():
     for name, (on_cpu, on_gpu) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, on_gpu if gpu else on_cpu)
+    args.warm_start_steps = args.warm_start_steps or (400 if gpu else 100)
+    if args.runs.split(",")[0] != "sync-batch" or not set(args.runs.split(",")) <= set(RUNS):
+        p.error(f"--runs: sync-batch first, then any of {', '.join(RUNS)}")
 
-    h, layers = args.hidden_size, args.num_layers
+    workload = {"task": "sums", "model_size": args.model_size, "reward": args.reward}
     if gpu:  # the server on GPU 0, the trainer on GPU 1 (or 0): no pinning
         if torch.cuda.device_count() < (2 if args.device == "cuda:1" else 1):
             p.error(f"--device {args.device}: {torch.cuda.device_count()} GPUs visible")
         torch.cuda.set_device(args.device)  # this process's CUDA work on the trainer's GPU
-        # heads of 64 (tiny_model's default is 32):
-        # a head size every GPU attention backend has kernels for
-        model = tiny_model(
-            path=f"{TINY_MODEL_DIR}-h{h}-l{layers}-{args.dtype}-hd64",
-            hidden_size=h,
-            num_layers=layers,
-            dtype=args.dtype,
-            num_attention_heads=max(1, h // 64),
-            num_key_value_heads=max(1, h // 128),
-            head_dim=64,
-        )
         # vLLM's default admits 128 sequences at a time here; unthrottled means every step
         # submitted at once (in-flight K=2: three)
         share = "0.5" if args.device == "cuda:1" else "0.4"
         server_flags = (
-            *("--dtype", args.dtype, "--gpu-memory-utilization", share),
+            *("--dtype", "bfloat16", "--gpu-memory-utilization", share),
             *("--max-num-seqs", str(3 * args.prompts_per_step * args.group_size)),
         )
-        trainer = {"device": args.device, "dtype": args.dtype, "bf16": True}
-        print(
-            f"GPUs: cuda:0 {torch.cuda.get_device_name(0)} (the server), "
-            f"{args.device} {torch.cuda.get_device_name(args.device)} (the trainer); "
-            f"model: {model}, {parameters(model) / 1e6:.0f}M parameters, {args.dtype}",
-            flush=True,
-        )
+        trainer = {"device": args.device, "dtype": "bfloat16", "bf16": True}
     else:
         torch.set_num_threads(1)
         # the server's engine: its OpenMP threads on core 0
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-        model = tiny_model(
-            path=f"{TINY_MODEL_DIR}-h{h}-l{layers}"
-            + ("" if args.dtype == "float32" else f"-{args.dtype}"),
-            hidden_size=h,
-            num_layers=layers,
-            dtype=args.dtype,
-        )
-        # the server's default is float32
-        server_flags = () if args.dtype == "float32" else ("--dtype", args.dtype)
-        trainer = {"dtype": args.dtype}
-    histories = run_schedules(args, model, server_flags, trainer, gpu)
+        server_flags, trainer = (), {}
+    model = train.builtin_model(
+        train.Config(**workload, **trainer, warm_start_steps=args.warm_start_steps)
+    )
+    print(
+        f"device {args.device}"
+        + (f" ({torch.cuda.get_device_name(args.device)})" if gpu else "")
+        + f"; model: {model}, {parameters(model) / 1e6:.0f}M parameters",
+        flush=True,
+    )
+    histories = run_schedules(args, model, server_flags, trainer | workload, gpu)
     report(args, histories)
 
 
@@ -217,19 +183,27 @@ RUNS = {
 }
 
 
+# the schedules drawn in timeline.png
+TIMELINES = ["sync-batch", "overlap", "drain K=1", "in-flight K=1"]
+
+
 def run_schedules(args, model, server_flags, trainer, gpu):
     """train.train once per schedule, all against one server; their metrics."""
     os.makedirs(args.out, exist_ok=True)
-    if not gpu:
-        os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
-    proc, client = launch_server(
-        "--model", model, *server_flags, log_path=os.path.join(args.out, "server.log")
-    )
-    if not gpu:
-        os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
+    if args.server_url:
+        proc, client = None, Client(args.server_url)
+    else:
+        if not gpu:
+            os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
+        proc, client = launch_server(
+            "--model", model, *server_flags, log_path=os.path.join(args.out, "server.log")
+        )
+        if not gpu:
+            os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
     histories = {}
     try:
-        for name, (schedule, staleness, update_mode) in RUNS.items():
+        for name in args.runs.split(","):
+            schedule, staleness, update_mode = RUNS[name]
             cfg = train.Config(
                 model=model,
                 out=os.path.join(args.out, name.replace(" ", "-")),
@@ -247,33 +221,43 @@ def run_schedules(args, model, server_flags, trainer, gpu):
             print(json.dumps(vars(cfg)), flush=True)
             histories[name] = train.train(cfg, client)
     finally:
-        stop_server(proc)
+        if proc:
+            stop_server(proc)
     return histories
 
 
 def report(args, histories):
-    results, N = (
-        {name: medians(h, args.warmup) for name, h in histories.items()},
-        args.micro_batches,
-    )
+    results = {name: medians(h, args.warmup) for name, h in histories.items()}
+    N = args.micro_batches
     print(
         f"\nmedians over steps {args.warmup}..{args.steps - 1}, seconds per step "
         f"(N={N}, {args.prompts_per_step} prompts x {args.group_size} x <={args.max_tokens} tokens)"
     )
-    columns = ("G", "T", "S", "idle", "step", "tokens", "engine_idle", "tokens_per_s")
+    columns = ("G", "T", "S", "idle", "step", "step_min", "step_max", "tokens", "mismatch")
+    columns += ("engine_idle", "tokens_per_s")
     print(f"{'schedule':<14} " + " ".join(f"{c:>12}" for c in columns))
     for name, m in results.items():
         print(f"{name:<14} " + " ".join(f"{m[c]:12.3f}" for c in columns))
+    # no speed-up from a run that skipped its training
+    refuse_hollow({name: h[args.warmup :] for name, h in histories.items()})
     base = results["sync-batch"]
     G, T, S = base["G"], base["T"], base["S"]
     print(f"G/T={G / T:.2f} (sync-batch: G={G:.3f} s, T={T:.3f} s, S={S:.3f} s per step)")
     print(
-        f"bound={train.overlap_bound(G, T, S, N, max_staleness=0):.3f} "
-        f"stale_bound={train.overlap_bound(G, T, S, N, max_staleness=1):.3f}"
+        f"bound={overlap_bound(G, T, S, N, max_staleness=0):.3f} "
+        f"stale_bound={overlap_bound(G, T, S, N, max_staleness=1):.3f}"
     )
     for name, m in results.items():
         print(f"{name.replace(' ', '_').replace('=', '')}_speedup={base['step'] / m['step']:.3f}")
-    draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
+    if all(name in histories for name in TIMELINES):
+        draw_timelines(histories, results, N, os.path.join(args.out, "timeline.png"))
+
+
+def overlap_bound(gen_s, train_s, sync_s, N, max_staleness):
+    """The best speed-up over generating and then training, for these times: on-policy, the
+    overlap hides all but one of N micro-batches of the shorter phase; one step stale, all of it."""
+    hidden = 0 if max_staleness else min(gen_s, train_s) / N
+    return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + hidden + sync_s)
 
 
 def parameters(model):
@@ -294,16 +278,15 @@ def draw_timelines(histories, results, N, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["sync-batch", "overlap", "drain K=1", "in-flight K=1"]
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 9), sharex=True)
+    fig, axes = plt.subplots(len(TIMELINES), 1, figsize=(10, 9), sharex=True)
     base = results["sync-batch"]
-    for ax, name in zip(axes, names):
+    for ax, name in zip(axes, TIMELINES):
         train.draw_timeline(ax, histories[name], steps=3)
         m, K = results[name], RUNS[name][1]
         if name == "sync-batch":
             bound = ""
         else:
-            bound_x = train.overlap_bound(base["G"], base["T"], base["S"], N, K)
+            bound_x = overlap_bound(base["G"], base["T"], base["S"], N, K)
             bound = f"; bound {bound_x:.2f}x, measured {base['step'] / m['step']:.2f}x"
         ax.set_title(
             f"{name}: step {m['step']:.2f} s "

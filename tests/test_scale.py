@@ -274,3 +274,20 @@ def test_under_fsdp_only_rank_0_holds_the_full_weights_and_in_the_served_dtype(
     assert ranks[0]["names"] == sorted(names) and ranks[0]["equal"]
     assert ranks[0]["dtypes"] == ["torch.bfloat16"]
     assert ranks[1]["names"] == []
+
+
+def test_the_scale_bench_on_two_servers_reports_speedups_of_sides_that_trained(servers, tmp_path):
+    """bench/scale.py's CPU smoke run on this file's two servers: one rank, then two torchrun
+    ranks, each training (a side that trained nothing would stop it: tests/test_bench.py), then
+    generation over one server and two."""
+    urls = ",".join(f"http://127.0.0.1:{servers[n][1]['port']}" for n in ("plain", "data-parallel"))
+    flags = ["--server-urls", urls, "--out", str(tmp_path), "--steps", "3", "--rounds", "1"]
+    flags += ["--warm-start-steps", "20"]
+    command = [sys.executable, os.path.join(ROOT, "bench", "scale.py"), *flags]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (
+        "1 rank: frac_reward_zero_std=" in run.stdout
+        and "2 ranks: frac_reward_zero_std=" in run.stdout
+    )
+    assert "training_speedup=" in run.stdout and "generation_speedup=" in run.stdout

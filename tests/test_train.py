@@ -247,9 +247,7 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
     assert server.health()["version"] == v0 + 4
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(
-        r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 and r["bound"] >= 1 for r in rows
-    )
+    assert all(r["gen_s"] > 0 and r["train_s"] > 0 and r["sync_s"] > 0 for r in rows)
     # the same weights on both sides, float32: trainer and server agree on every sampled token
     atol = 1e-2 if torch.cuda.is_available() else 1e-4
     assert all(

@@ -1,0 +1,59 @@
+"""The benchmarks' CPU smoke runs: each trains on train.py's workload, and refuses to report a
+speed-up where a side trained nothing (given a reward that is always 0, tests/my_rewards.py).
+bench/scale.py's smoke run with two servers is in tests/test_scale.py, on that file's servers.
+
+Run: .venv/bin/python -m pytest tests/test_bench.py   (against the session server: the
+benchmarks take --server-url, and push their model's weights there first)
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# few warm-start steps: the smoke runs time nothing; the model only has to write sums
+SMOKE = ("--warm-start-steps", "20")
+
+
+def bench(script, *flags):
+    """`python bench/SCRIPT FLAGS`, from the repository root: the finished process."""
+    command = [sys.executable, os.path.join(ROOT, "bench", script), *SMOKE, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def overlap(server, tmp_path, *flags):
+    flags = ("--server-url", server.base_url, "--out", str(tmp_path), *flags)
+    return bench("overlap.py", "--steps", "3", "--warmup", "1", "--prompts-per-step", "8", *flags)
+
+
+def test_the_overlap_bench_reports_speedups_of_runs_that_trained(server, tmp_path, restore_weights):
+    run = overlap(server, tmp_path, "--runs", "sync-batch,overlap,drain K=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("sync-batch", "overlap", "drain K=1"):
+        assert f"{name}: frac_reward_zero_std=" in run.stdout
+    assert "overlap_speedup=" in run.stdout and "bound=" in run.stdout
+
+
+def test_the_overlap_bench_refuses_a_speedup_where_a_side_trained_nothing(
+    server, tmp_path, restore_weights
+):
+    run = overlap(
+        server, tmp_path, "--runs", "sync-batch,overlap", "--reward", "tests.my_rewards:zero"
+    )
+    assert run.returncode == 1
+    assert (
+        "no speed-up reported" in run.stderr and "100% of its groups had no advantage" in run.stderr
+    )
+    assert "_speedup=" not in run.stdout
+
+
+def test_the_scale_bench_refuses_a_speedup_where_a_side_trained_nothing(
+    server, tmp_path, restore_weights
+):
+    # the one-rank side runs first, on the first server, and stops the bench
+    urls = f"{server.base_url},http://127.0.0.1:1"
+    flags = ("--server-urls", urls, "--out", str(tmp_path), "--steps", "2")
+    run = bench("scale.py", *flags, "--reward", "tests.my_rewards:zero")
+    assert run.returncode == 1
+    assert "no speed-up reported" in run.stderr and "1 rank: 100% of its groups" in run.stderr
+    assert "training, 2 rank(s)" not in run.stdout and "_speedup=" not in run.stdout
