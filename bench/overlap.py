@@ -146,7 +146,8 @@ def main():
     if gpu:  # the server on GPU 0, the trainer on GPU 1 (or 0): no pinning
         if torch.cuda.device_count() < (2 if args.device == "cuda:1" else 1):
             p.error(f"--device {args.device}: {torch.cuda.device_count()} GPUs visible")
-        torch.cuda.set_device(args.device)  # this process's CUDA work on the trainer's GPU
+        # this process's CUDA work on the trainer's GPU
+        torch.cuda.set_device(torch.device(args.device).index or 0)
         # vLLM's default admits 128 sequences at a time here; unthrottled means every step
         # submitted at once (in-flight K=2: three)
         share = "0.5" if args.device == "cuda:1" else "0.4"

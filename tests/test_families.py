@@ -138,9 +138,11 @@ class Engines:
     llm = None
 
     def start(self, path, dtype):
-        gpu = {"gpu_memory_utilization": 0.2} if torch.cuda.is_available() else {}
-        args = engine_args(path, dtype=dtype, **gpu)
-        self.llm = LLM(path, seed=0, **{k: getattr(args, k) for k in ENGINE_FIELDS}, **gpu)
+        # on a GPU: eager (compiling and capturing CUDA graphs takes ~50 s an engine), a small share
+        gpu = dict(gpu_memory_utilization=0.2, enforce_eager=True, kv_cache_memory_bytes=1 << 30)
+        flags = gpu if torch.cuda.is_available() else {}
+        args = engine_args(path, dtype=dtype, **flags)
+        self.llm = LLM(path, seed=0, **{k: getattr(args, k) for k in ENGINE_FIELDS + tuple(flags)})
 
     def generate(self, prompts, sampling):
         """[[(token ids, logprob of each)] per prompt], the logprobs as the server reports them:
