@@ -8,17 +8,21 @@
     # CPU: the same code on a tiny model (train.py's side; TRL's too where it is installed)
     .venv/bin/python bench/trl_gpu.py --smoke
 
-The workload, the same on every side: a random-weight Qwen2 of Qwen2.5-0.5B's shape (896 hidden, 24
-layers, 14 heads, 2 KV heads, 4864 intermediate, 151,936 vocabulary, tied; or 1.5B's) saved once in
-bf16 under --work, with a character-level tokenizer padded to the full vocabulary (every id a random
-model samples decodes); the same prompts ("user: Problem 7: compute 37*8+12. ...assistant: ",
-69 tokens) and reward (train.reward: 1 if the last number is the answer); --prompts-per-step
-prompts x --group-size 8 completions of up to --max-tokens tokens (the untrained model runs to the
-limit: the worst case for a synchronous loop's tail), trained in --micro-batches micro-batches;
-fp32 master weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one optimizer step per
-batch, no KL (beta = 0), the loss summed over tokens and divided once by the step's completion
-tokens (TRL's loss_type "dapo"); every vLLM engine with --gpu-memory-utilization, --max-model-len,
+The workload, the same on every side: train.py's own, the one its GPU demo learns on (--task
+sums: add up 2-16 numbers writing each running total, so completion lengths vary; each total
+scores by how close it is, train.sums_reward, so rewards vary inside a group), on its built-in
+model of Qwen2.5-0.5B's shape (or 1.5B's; tiny for --smoke) warm-started on worked sums
+(train.builtin_model, --warm-start-steps, cached in .cache/); the same prompts (--work's
+prompts.jsonl: train.sums_data's rows, the prompt as raw text; as one user message for the async
+trainer, which takes chat messages only); --prompts-per-step prompts x --group-size 8
+completions of up to --max-tokens tokens, trained in --micro-batches micro-batches; fp32 master
+weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one optimizer step per batch, no KL
+(beta = 0), the loss summed over tokens and divided once by the step's completion tokens (TRL's
+loss_type "dapo"); every vLLM engine in bfloat16 with --gpu-memory-utilization, --max-model-len,
 max_num_seqs = one step's sequences, CUDA graphs (unless --enforce-eager).
+Every run shows that it trained: its share of zero-advantage groups (frac_reward_zero_std, the
+name both train.py and TRL log) and its gradient norm at every step; where a run skipped more than
+half its groups, had a zero gradient, or did not log them, no speed-up is printed (exit 1).
 
 The layouts, each in its own process (a failure is printed, exactly, and the next one runs):
   ours          one server.py on GPU 0 for all of these; train.train in the child:
@@ -56,7 +60,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -69,39 +72,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Qwen2.5's shapes (tied embeddings); "tiny" is for --smoke on a CPU
-SIZES = {
-    "0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=512,
-    ),
-}
-# engine.tiny_model's template: "user: Q\nassistant: " (TRL's async trainer only takes messages)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
+from runs import refuse_hollow  # noqa: E402
+
 # train.Config overrides per schedule of ours, the likely fastest first (a run cut short by its
 # time limit loses the last); --ours-variant adds more (in-flight updates, ...)
 OURS_VARIANTS = {
@@ -118,6 +90,8 @@ LAYOUTS = {
     "trl-async": ("1", 170),
     "trl-hf": (None, 600),
 }
+# what each run logs per step to show that it trained (train.py's names, TRL's too)
+TRAINED = ("frac_reward_zero_std", "grad_norm")
 # a stopped layout's processes get this long to write their stacks before they are killed
 DUMP_GRACE_S = 5.0
 
@@ -125,6 +99,7 @@ DUMP_GRACE_S = 5.0
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-size", choices=["0.5b", "1.5b"], default="0.5b")
+    p.add_argument("--warm-start-steps", type=int, default=400, help="train.py's, on the sums")
     p.add_argument("--max-tokens", type=int, default=256, help="completion length limit")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
@@ -134,9 +109,9 @@ def parse_args(argv=None):
         default=4,
         help="per step: ours' N, TRL's gradient_accumulation_steps",
     )
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="every vLLM engine's")
     p.add_argument("--max-model-len", type=int, default=2048, help="every vLLM engine's")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any engine")
@@ -161,7 +136,7 @@ def parse_args(argv=None):
     p.add_argument("--layout", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.smoke:
-        a.model_size, a.steps, a.warmup, a.max_tokens = "tiny", 3, 1, 16
+        a.model_size, a.steps, a.warmup, a.max_tokens = "tiny", 3, 1, 64
         a.prompts_per_step, a.micro_batches, a.budget_s = 4, 2, 3600.0
     if a.prompts_per_step % a.micro_batches:
         p.error("--prompts-per-step must be divisible by --micro-batches")
@@ -190,70 +165,29 @@ def add_layout_args(p):
 
 
 # -- the shared model and data ---------------------------------------------------------------------
-def build_tokenizer(vocab_size):
-    """One token per printable character, then filler tokens "<t123>" up to the model's vocabulary:
-    a random-weight model samples any id, and every one must decode, on both sides."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["<|endoftext|>", "<|pad|>"] + [chr(i) for i in range(32, 127)] + ["\n"]
-    tokens = chars + [f"<t{i}>" for i in range(len(chars), vocab_size)]
-    # no merges: text encodes character by character; the fillers are only ever decoded
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
 def build_model(a):
-    """The folder every side loads: a random Qwen2 of --model-size, bf16 (float32 for --smoke)."""
-    path = os.path.join(a.work, f"qwen2-{a.model_size}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
+    """The folder every side loads: train.py's built-in model of --model-size (tiny for --smoke),
+    warm-started on the sums task (train.builtin_model; cached in .cache/), float32 weights that
+    every engine serves in bfloat16 on GPUs."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    dtype = "float32" if a.smoke else "bfloat16"
-    config = Qwen2Config(
-        **SIZES[a.model_size],
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
-        dtype=dtype,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    # atomically: a half-written folder is never found
-    tmp = f"{path}.tmp{os.getpid()}"
-    for part in (model, build_tokenizer(config.vocab_size)):
-        part.save_pretrained(tmp)
-    os.replace(tmp, path)
-    return path
+    import train
+
+    gpu = torch.cuda.is_available()
+    cfg = train.Config(task="sums", model_size=a.model_size, device="cuda" if gpu else "cpu")
+    cfg.bf16, cfg.warm_start_steps = gpu, a.warm_start_steps
+    return train.builtin_model(cfg)
 
 
-def build_data(a, model, rows=2000):
-    """prompts.jsonl: {question, prompt (the question as the model's chat template renders it, for
-    the sides that take text), answer}: every side's prompt has the same tokens."""
-    from transformers import AutoTokenizer
+def build_data(a, rows=2000):
+    """prompts.jsonl: train.sums_data's rows (prompt, answer, the running totals the reward
+    checks), and the prompt again as `question` for the sides that take chat messages."""
+    import train
 
-    tokenizer, rng = AutoTokenizer.from_pretrained(model), random.Random(0)
     path = os.path.join(a.work, "prompts.jsonl")
     with open(path, "w") as f:
-        for i in range(rows):
-            x, y, z = rng.randrange(10, 100), rng.randrange(2, 10), rng.randrange(100)
-            question = f"Problem {i}: compute {x}*{y}+{z}. Show the steps, then give the number."
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-            )
-            print(
-                json.dumps({"question": question, "prompt": prompt, "answer": str(x * y + z)}),
-                file=f,
-            )
+        for row in train.sums_data(rows, seed=1):
+            print(json.dumps(row | {"question": row["prompt"]}), file=f)
     return path
 
 
@@ -350,9 +284,10 @@ def run_ours(a, model, data):
 def ours_config(a, model, data, device, name, overrides):
     import train
 
-    return train.Config(
+    fields = dict(
         model=model,
         dataset=data,
+        reward="train:sums_reward",
         out=os.path.join(a.work, "ours", re.sub(r"\W+", "-", f"{device}-{name}")),
         steps=a.steps,
         prompts_per_step=a.prompts_per_step,
@@ -366,8 +301,8 @@ def ours_config(a, model, data, device, name, overrides):
         gradient_checkpointing=True,
         # a server that died is not coming back here: fail the run soon
         reconnect_timeout=30.0,
-        **overrides,
     )
+    return train.Config(**fields | overrides)
 
 
 def emit_ours(a, cfg, layout, name, history):
@@ -383,6 +318,7 @@ def emit_ours(a, cfg, layout, name, history):
         name=name,
         step_s=[h["step_s"] for h in history],
         parts=parts,
+        trained=[{k: h[k] for k in TRAINED} for h in history],
         setup=f"train.py schedule={cfg.schedule} max_staleness={cfg.max_staleness} "
         f"N={cfg.micro_batches}, trainer on {cfg.device}, weights over {transport}, "
         f"server.py on {'the CPU' if cfg.device == 'cpu' else 'GPU 0'}",
@@ -390,13 +326,13 @@ def emit_ours(a, cfg, layout, name, history):
 
 
 # -- TRL's side ------------------------------------------------------------------------------------
-def reward_last_number(completions, answer, **kwargs):
-    """train.reward for TRL: 1 if a completion's last number is the answer. A conversational
-    completion (the async trainer's) is a list of messages."""
+def reward_sums(completions, totals, **kwargs):
+    """train.sums_reward for TRL (which passes the dataset's columns): each running total scored by
+    how close it is. A conversational completion (the async trainer's) is a list of messages."""
     import train
 
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [train.reward(t, x) for t, x in zip(texts, answer)]
+    return [train.sums_reward(text, {"totals": row}) for text, row in zip(texts, totals)]
 
 
 def trl_dataset(data, conversational=False):
@@ -431,6 +367,11 @@ def step_timer(totals):
             progress(f"step {state.global_step}/{args.max_steps}: {now - self.last:.2f} s {parts}")
             self.last = now
             totals.update(dict.fromkeys(totals, 0.0))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            # a step's log comes after its on_step_end
+            if self.steps and any(k in (logs or {}) for k in TRAINED):
+                self.steps[-1].update({k: logs[k] for k in TRAINED if k in logs})
 
     return StepTimer()
 
@@ -492,7 +433,7 @@ def run_trl_grpo(a, model, data, layout, **vllm):
     # in server mode this joins the server's weight-sync group (POST /init_weight_transfer_engine)
     progress(f"GRPOTrainer(vllm_mode={cfg.vllm_mode if cfg.use_vllm else None}) ...")
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward_last_number, args=cfg, train_dataset=trl_dataset(data)
+        model=model, reward_funcs=reward_sums, args=cfg, train_dataset=trl_dataset(data)
     )
     progress(f"GRPOTrainer ready, n_gpu={cfg.n_gpu}, model on {trainer.model.device}")
     if cfg.use_vllm:
@@ -516,6 +457,7 @@ def emit_trl(a, layout, name, steps, setup, parts=None):
         name=name,
         step_s=[s["step"] for s in steps],
         parts=parts or {},
+        trained=[{k: s[k] for k in TRAINED if k in s} for s in steps],
         setup=setup,
     )
 
@@ -680,7 +622,7 @@ def run_trl_async(a, model, data):
         progress("AsyncGRPOTrainer ...")
         trainer = AsyncGRPOTrainer(
             model=model,
-            reward_funcs=reward_last_number,
+            reward_funcs=reward_sums,
             args=cfg,
             train_dataset=trl_dataset(data, conversational=True),
         )
@@ -729,10 +671,7 @@ def child(a):
     logging.getLogger("trl").setLevel(logging.INFO)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
     progress(f"{a.layout}: CUDA_VISIBLE_DEVICES={visible}, {torch.cuda.device_count()} GPU(s)")
-    model, data = (
-        os.path.join(a.work, f"qwen2-{a.model_size}"),
-        os.path.join(a.work, "prompts.jsonl"),
-    )
+    model, data = build_model(a), os.path.join(a.work, "prompts.jsonl")
     side = "ours" if a.layout == "ours" else "TRL"
     with reported(side, a.layout, "(the whole layout)"):
         RUNNERS[a.layout](a, model, data)
@@ -805,7 +744,7 @@ def run_layout(a, name, deadline, argv, later=0):
         print(f"[{name}] exit code {proc.returncode}; the last lines of {log_path}:")
         print("\n".join("    " + x[:300] for x in lines[-40:]))
     print(f"[{name}] {time.monotonic() - start:.0f} s", flush=True)
-    return [r for r in found if r["kind"] == "RESULT"]
+    return found
 
 
 def is_report(line):
@@ -830,6 +769,7 @@ def summarize(a, results):
             f"{r['side']:<5} {r['layout']:<7} {r['name']:<14} {r['s']:7.2f} "
             f"{samples / r['s']:9.1f}  {parts}"
         )
+    refuse_untrained(a, results)
     trl = [r for r in results if r["side"] == "TRL"]
     ours = [r for r in results if r["side"] == "ours"]
     for r in ours:
@@ -846,6 +786,25 @@ def summarize(a, results):
         print(f"  {r['side']} {r['layout']} {r['name']}: {r['setup']}")
 
 
+def refuse_untrained(a, results):
+    """Exit non-zero, before any speed-up, unless every run shows that it trained: its share of
+    zero-advantage groups and its gradient norm (train.py's metrics, TRL's logs) at every step after
+    the warm-up, the share at most a half and no norm 0 (bench/runs.py)."""
+    runs, unshown = {}, []
+    for r in results:
+        name = f"{r['side']} {r['layout']} {r['name']}"
+        rows = r["trained"][a.warmup :]
+        if not rows or any(set(row) != set(TRAINED) for row in rows):
+            unshown.append(f"{name}: did not log {' and '.join(TRAINED)} at every step")
+        else:
+            runs[name] = rows
+    if unshown:
+        sys.exit(
+            "no speed-up reported: a side does not show that it trained\n" + "\n".join(unshown)
+        )
+    refuse_hollow(runs)
+
+
 def main():
     argv = sys.argv[1:]
     a = parse_args(argv)
@@ -860,17 +819,20 @@ def main():
     print(f"GPUs: {names or 'none'}; python {sys.version.split()[0]}, torch {torch.__version__}")
     start = time.monotonic()
     model = build_model(a)
-    data = build_data(a, model)
+    data = build_data(a)
     print(f"model {model} ({a.model_size}), data {data}: built in {time.monotonic() - start:.0f} s")
     print(json.dumps(vars(a)), flush=True)
     layouts = [n.strip() for n in a.layouts.split(",") if n.strip()]
     if len(names) < 2 and not a.smoke:
         layouts = [n for n in layouts if n in ("ours", "trl-colocate")]
         print(f"fewer than 2 GPUs: only {layouts}, and ours on 1 GPU")
-    results = []
+    found = []
     for i, name in enumerate(layouts):
-        results += run_layout(a, name, deadline, argv, later=len(layouts) - i - 1)
-    summarize(a, results)
+        found += run_layout(a, name, deadline, argv, later=len(layouts) - i - 1)
+    summarize(a, [r for r in found if r["kind"] == "RESULT"])
+    failed = [f"{r['side']} {r['layout']} {r['name']}" for r in found if r["kind"] == "FAILED"]
+    if failed:
+        sys.exit(f"failed (see above): {', '.join(failed)}")
 
 
 if __name__ == "__main__":
