@@ -133,6 +133,9 @@ def parse_args(argv=None):
     p.add_argument("--work", default="/tmp/trl-gpu-bench", help="model, data, checkpoints")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "trl-gpu"), help="logs")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny model, 3 short steps")
+    p.add_argument(
+        "--server-url", default="", help="ours: a running server.py on the model (tests)"
+    )
     p.add_argument("--layout", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.smoke:
@@ -252,7 +255,7 @@ def run_ours(a, model, data):
     import torch
 
     import train
-    from client import launch_server, stop_server
+    from client import Client, launch_server, stop_server
 
     gpus = torch.cuda.device_count()
     layouts = [("2 GPUs", "cuda:1"), ("1 GPU", "cuda:0")] if gpus > 1 else [("1 GPU", "cuda:0")]
@@ -262,8 +265,11 @@ def run_ours(a, model, data):
     flags += ["--max-num-seqs", str(a.prompts_per_step * a.group_size)]
     flags += ["--max-model-len", str(a.max_model_len)] + ["--enforce-eager"] * a.enforce_eager
     log = os.path.join(a.out, "ours-server.log")
-    proc, client = launch_server(*flags, log_path=log, timeout=300)
-    print(f"server.py {' '.join(flags)}; decodes {client.health()['max_num_seqs']} at once")
+    if a.server_url:
+        proc, client = None, Client(a.server_url)
+    else:
+        proc, client = launch_server(*flags, log_path=log, timeout=300)
+        print(f"server.py {' '.join(flags)}; decodes {client.health()['max_num_seqs']} at once")
     try:
         for name, overrides in ours_variants(a).items():
             for layout, device in layouts:
@@ -278,7 +284,8 @@ def run_ours(a, model, data):
                 if gpus:
                     torch.cuda.empty_cache()
     finally:
-        stop_server(proc)
+        if proc:
+            stop_server(proc)
 
 
 def ours_config(a, model, data, device, name, overrides):

@@ -1,5 +1,6 @@
 """The benchmarks' CPU smoke runs: each trains on train.py's workload, and refuses to report a
 speed-up where a side trained nothing (given a reward that is always 0, tests/my_rewards.py).
+bench/trl_gpu.py runs train.py's side only: TRL is not installed here.
 bench/scale.py's smoke run with two servers is in tests/test_scale.py, on that file's servers.
 
 Run: .venv/bin/python -m pytest tests/test_bench.py   (against the session server: the
@@ -59,23 +60,26 @@ def test_the_scale_bench_refuses_a_speedup_where_a_side_trained_nothing(
     assert "training, 2 rank(s)" not in run.stdout and "_speedup=" not in run.stdout
 
 
-def trl_gpu(tmp_path, *flags):
-    """bench/trl_gpu.py --smoke, train.py's side alone (TRL is not installed here): one server.py
-    of its own, 3 steps of 4 prompts x 8."""
+def trl_gpu(server, tmp_path, *flags):
+    """bench/trl_gpu.py --smoke, train.py's side alone (TRL is not installed here), 3 steps of 4
+    prompts x 8."""
     folders = ("--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
-    return bench("trl_gpu.py", "--smoke", "--layouts", "ours", *folders, *flags)
+    flags = ("--server-url", server.base_url, *folders, *flags)
+    return bench("trl_gpu.py", "--smoke", "--layouts", "ours", *flags)
 
 
-def test_the_trl_bench_shows_that_ours_trained(tmp_path):
-    run = trl_gpu(tmp_path, "--ours-variants", "sync-batch")
+def test_the_trl_bench_shows_that_ours_trained(server, tmp_path, restore_weights):
+    run = trl_gpu(server, tmp_path, "--ours-variants", "sync-batch")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ours CPU sync-batch: frac_reward_zero_std=" in run.stdout
     assert "speed-up of ours CPU sync-batch" in run.stdout
 
 
-def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(tmp_path):
+def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
+    server, tmp_path, restore_weights
+):
     zero = "zero:reward=tests.my_rewards:zero"
-    run = trl_gpu(tmp_path, "--ours-variants", "", "--ours-variant", zero)
+    run = trl_gpu(server, tmp_path, "--ours-variants", "", "--ours-variant", zero)
     assert run.returncode == 1
     assert "ours CPU zero: 100% of its groups had no advantage" in run.stderr
     assert "speed-up of ours" not in run.stdout
