@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,11 @@ class Engine:
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
-        sampling = final_output_params(params)
+        # FINAL_ONLY: vLLM hands over the finished output only, with the logprob of every sampled
+        # token (logprobs 0: the sampled token's alone)
+        sampling = params.clone()
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY
+        sampling.logprobs = max(params.logprobs or 0, 0)
         request_ids = [uuid.uuid4().hex for _ in prompts]
         tasks = [
             asyncio.ensure_future(self._one(p, sampling, priority, version, request_id))
@@ -139,8 +144,7 @@ class Engine:
         prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions
         stream = self.llm.generate(prompt, params, request_id=request_id, priority=priority)
-        outputs = [out async for out in stream]
-        return outputs[-1]
+        return [out async for out in stream][-1]
 
     async def update_weights(
         self, buckets, ready, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, version=0
@@ -191,14 +195,11 @@ class Engine:
 
     async def drain(self, timeout):
         """Let the requests in flight finish on the old version, within `timeout` seconds."""
-        async with self.idle:
-            try:
-                await asyncio.wait_for(self.idle.wait_for(lambda: self.in_flight == 0), timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(
-                    f"{self.in_flight} prompts still generating after the drain timeout "
-                    f"of {timeout} s; nothing was sent"
-                ) from None
+        if not await wait_until(self.idle, lambda: self.in_flight == 0, timeout):
+            raise TimeoutError(
+                f"{self.in_flight} prompts still generating after the drain timeout "
+                f"of {timeout} s; nothing was sent"
+            )
 
     async def load(self, buckets, timeout, version=0):
         """Receive and load in every worker, then bump the version (to `version` if that is
@@ -263,15 +264,8 @@ class Engine:
 
     async def wait_for_version(self, version, timeout):
         """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
-        async with self.new_version:
-            try:
-                await asyncio.wait_for(
-                    self.new_version.wait_for(lambda: self.version >= version), timeout
-                )
-            except asyncio.TimeoutError:
-                raise TimeoutError(
-                    f"weights version {version} were not loaded within {timeout} s"
-                ) from None
+        if not await wait_until(self.new_version, lambda: self.version >= version, timeout):
+            raise TimeoutError(f"weights version {version} were not loaded within {timeout} s")
 
     async def rpc(self, method, *args, timeout=60.0):
         """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout`
@@ -279,6 +273,14 @@ class Engine:
         return await asyncio.wait_for(
             self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5
         )
+
+
+async def wait_until(condition: asyncio.Condition, predicate, timeout) -> bool:
+    """Wait on `condition` until `predicate()` holds, at most `timeout` s; whether it holds."""
+    async with condition:
+        with suppress(TimeoutError):
+            await asyncio.wait_for(condition.wait_for(predicate), timeout)
+        return predicate()
 
 
 # -- the vLLM calls that may change between releases, one small function each ----------------------
@@ -305,14 +307,6 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
         enable_log_requests=False,
         disable_log_stats=True,
     )
-
-
-def final_output_params(params: SamplingParams) -> SamplingParams:
-    """Ask vLLM for the finished output only, with the logprob of every sampled token."""
-    params = params.clone()
-    params.output_kind = RequestOutputKind.FINAL_ONLY
-    params.logprobs = max(params.logprobs or 0, 0)  # 0 = just the sampled token's logprob
-    return params
 
 
 def completion(c, prompt, k, version, marks) -> Completion:
@@ -392,13 +386,8 @@ def top_logprobs(logprobs, k):
     logprob}]."""
     if not k:
         return None
-    return [
-        [
-            {"token": x.decoded_token, "logprob": x.logprob}
-            for x in sorted(lp.values(), key=lambda x: x.rank)[:k]
-        ]
-        for lp in logprobs
-    ]
+    ranked = [sorted(lp.values(), key=lambda x: x.rank)[:k] for lp in logprobs]
+    return [[{"token": x.decoded_token, "logprob": x.logprob} for x in top] for top in ranked]
 
 
 # -- the worker side of weight sync: runs inside each vLLM worker process --------------------------
@@ -576,6 +565,7 @@ def calculator(expression: str) -> str:
     return str(int(result) if float(result).is_integer() else round(result, 6))
 
 
+@dataclass(eq=False)
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
     with `call_end` after a `call_start` of its own text (the first turn's text includes the prompt,
@@ -586,21 +576,17 @@ class RolloutEngine:
     flags. A tool that raises, times out or does not exist answers with an error text; the episode
     goes on."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        tools=None,
-        call_start="<tool>",
-        call_end="</tool>",
-        result_format="<result>{}</result>",
-        tool_timeout=10.0,
-    ):
-        self.engine = engine
-        self.tools = {"calc": calculator, **(tools or {})}
-        self.call_start = call_start
-        self.call_end = call_end
-        self.result_format = result_format
-        self.tool_timeout = tool_timeout
+    engine: Engine
+    # NAME -> function, besides the built-in `calc`
+    tools: dict | None = None
+    call_start: str = "<tool>"
+    call_end: str = "</tool>"
+    result_format: str = "<result>{}</result>"
+    # seconds a tool call may take
+    tool_timeout: float = 10.0
+
+    def __post_init__(self):
+        self.tools = {"calc": calculator, **(self.tools or {})}
 
     @property
     def tool_names(self):
@@ -678,11 +664,8 @@ class RolloutEngine:
     async def rollout(self, prompts, params: SamplingParams, *options):
         """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:
         episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end)."""
-        episodes = await asyncio.gather(
-            *(
-                self.episode(prompt, params, *options, k=k)
-                for prompt in prompts
-                for k in range(params.n)
-            )
-        )
-        return [episodes[i : i + params.n] for i in range(0, len(episodes), params.n)]
+        per_prompt = [
+            asyncio.gather(*(self.episode(prompt, params, *options, k=k) for k in range(params.n)))
+            for prompt in prompts
+        ]
+        return await asyncio.gather(*per_prompt)

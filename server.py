@@ -209,29 +209,19 @@ def check_room(app, count=1):
         raise ApiError(f"{len(app[STATE].tasks)} results wait unfetched (--max-pending)", 429)
 
 
-def add_request(app, body, work) -> str:
-    """Start `work` (a coroutine function) under a new id once weights body["min_version"] are
-    loaded (run_at_version), remembering its arguments. Once it is done, its result waits
-    --result-ttl seconds to be fetched, then it is dropped; with "keep_result" in the body, until
-    it is fetched or aborted (a trainer's queued step)."""
+def add_request(app, body, work, *args) -> str:
+    """Start `work(app, *args)` (a coroutine function's) under a new id once weights
+    body["min_version"] are loaded (run_at_version), remembering the body. Once it is done, its
+    result waits --result-ttl seconds to be fetched, then it is dropped; with "keep_result" in the
+    body, until it is fetched or aborted (a trainer's queued step)."""
     state = app[STATE]
     request_id = uuid.uuid4().hex
-    task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work))
+    task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work, *args))
     state.tasks[request_id] = (task, args_key(body))
     if not body.get("keep_result"):
-        loop = asyncio.get_running_loop()
         ttl = state.flags.result_ttl
-        task.add_done_callback(lambda _: loop.call_later(ttl, expire, app, request_id))
+        task.add_done_callback(lambda t: t.get_loop().call_later(ttl, expire, app, request_id))
     return request_id
-
-
-def find_identical(state, body) -> str | None:
-    """The oldest request with the identical arguments that no other caller is waiting for, so
-    that identical requests are fetched once each."""
-    key = args_key(body)
-    return next(
-        (i for i, (_, k) in state.tasks.items() if k == key and i not in state.waiting), None
-    )
 
 
 def drop_request(app, request_id) -> asyncio.Task:
@@ -276,13 +266,14 @@ def check_serving(app):
         raise ApiError(f"engine unusable: {app[ENGINE].error}", 503)
 
 
-async def run_at_version(app, min_version, work):
-    """Run `work` (a coroutine function) once weights `min_version` are loaded; the result carries
-    when it was queued, started and finished (the server's time.time()), to measure the overlap."""
+async def run_at_version(app, min_version, work, *args):
+    """Run `work(app, *args)` (a coroutine function's) once weights `min_version` are loaded; the
+    result carries when it was queued, started and finished (the server's time.time()), to measure
+    the overlap."""
     queued = time.time()
     await app[ENGINE].wait_for_version(min_version, app[STATE].flags.result_ttl)
     started = time.time()
-    result = await work()
+    result = await work(app, *args)
     return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}
 
 
@@ -294,8 +285,9 @@ async def counted_generate(app, prompts, params, priority=0):
     return results
 
 
-async def run_generate(app, prompts, params, priority):
-    results = await counted_generate(app, prompts, params, priority)
+async def run_generate(app, body, params):
+    """The completions of a /generate body's prompts, at its priority."""
+    results = await counted_generate(app, body["prompts"], params, body.get("priority", 0))
     # vars: asdict deep-copies, 20x slower
     return {"completions": [[vars(c) for c in r] for r in results]}
 
@@ -303,15 +295,11 @@ async def run_generate(app, prompts, params, priority):
 async def generate(request):
     app, body = request.app, await read_json(request)
     prompts, params = parse_request(app, body, extra=("split_prompts",))
-    priority = body.get("priority", 0)
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     split = checked_field(body, "split_prompts", bool, False)
-    groups = [[p] for p in prompts] if split else [prompts]
-    check_room(app, len(groups))
-    ids = []
-    for group in groups:
-        work = functools.partial(run_generate, app, group, params, priority)
-        ids.append(add_request(app, {**body, "prompts": group} if split else body, work))
+    bodies = [{**body, "prompts": [p]} for p in prompts] if split else [body]
+    check_room(app, len(bodies))
+    ids = [add_request(app, b, run_generate, b, params) for b in bodies]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
@@ -341,14 +329,15 @@ async def rollout(request):
         raise ApiError("'call_start' and 'call_end' must be non-empty strings")
     check_room(app)
     episode_options = (max_turns, budget, tools, call_start, call_end)
-    work = functools.partial(run_rollout, app, prompts, params, *episode_options)
-    request_id = add_request(app, body, work)
+    request_id = add_request(app, body, run_rollout, prompts, params, *episode_options)
     return web.json_response({"request_id": request_id}, status=202)
 
 
-def requested_ids(app, body) -> list:
-    """The ids a /get_future body asks for that the server holds: `request_ids`, `request_id`, or
-    the oldest request with the identical arguments."""
+def requested_tasks(app, body) -> dict:
+    """{id: task} of the requests a /get_future body asks for that the server holds: `request_ids`,
+    `request_id`, or the oldest request with the identical arguments that no other caller is
+    waiting for (so that identical requests are fetched once each)."""
+    state = app[STATE]
     if "request_ids" in body:
         ids = checked_field(body, "request_ids", [str])
         if len(set(ids)) < len(ids):
@@ -356,15 +345,16 @@ def requested_ids(app, body) -> list:
     elif "request_id" in body:
         ids = [checked_field(body, "request_id", str)]
     elif "prompts" in body:
-        ids = [find_identical(app[STATE], body)]
+        key = args_key(body)
+        ids = [i for i, (_, k) in state.tasks.items() if k == key and i not in state.waiting][:1]
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
-    ids = [i for i in ids if i in app[STATE].tasks]
-    if not ids:
+    tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}
+    if not tasks:
         raise ApiError("no such request: unknown, fetched, aborted or expired", 404)
-    if not app[STATE].waiting.isdisjoint(ids):
+    if not state.waiting.isdisjoint(tasks):
         raise ApiError("another /get_future call is already waiting for this request", 409)
-    return ids
+    return tasks
 
 
 async def get_future(request):
@@ -376,30 +366,27 @@ async def get_future(request):
     the cause if the engine died."""
     body, state = await read_json(request), request.app[STATE]
     timeout = checked_field(body, "timeout", float, 60, 0, 3600, " seconds")
-    ids = requested_ids(request.app, body)
-    tasks = {i: state.tasks[i][0] for i in ids}
-    # nothing awaited between the check in requested_ids and this
-    state.waiting.update(ids)
+    tasks = requested_tasks(request.app, body)
+    # nothing awaited between the check in requested_tasks and this
+    state.waiting.update(tasks)
     try:
         done, _ = await asyncio.wait(
             tasks.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
-        state.waiting.difference_update(ids)
+        state.waiting.difference_update(tasks)
     if not done:
-        raise ApiError(f"request {', '.join(ids)} not finished after {timeout} s; ask again", 408)
-    finished = [i for i, task in tasks.items() if task in done]
-    for i in finished:
-        task = tasks[i]
+        raise ApiError(f"request {', '.join(tasks)} not finished after {timeout} s; ask again", 408)
+    finished = {i: task for i, task in tasks.items() if task in done}
+    for i, task in finished.items():
         if task.cancelled() or task.exception():
             state.tasks.pop(i, None)
             # a dead engine: its cause, rather than vLLM's "see stack trace (above)"
             error = request.app[ENGINE].error
             if task.cancelled() and not error:
                 raise ApiError(f"request {i} was aborted", 404)
-            raise ApiError(
-                f"request {i} failed: {error or task.exception()}", 503 if error else 422
-            )
+            status = 503 if error else 422
+            raise ApiError(f"request {i} failed: {error or task.exception()}", status)
     results = [{"request_id": i, **drop_request(request.app, i).result()} for i in finished]
     # by request_ids: every one of them that is done, in one answer (fewer round trips)
     return web.json_response({"results": results} if "request_ids" in body else results[0])
@@ -419,14 +406,13 @@ async def init_communicator(request):
     nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
     body, state = await read_json(request), request.app[STATE]
     transport = body.get("transport", "gloo")
-    workers = state.workers
     if transport not in TRANSPORTS:
         raise ApiError(f"'transport' must be one of {list(TRANSPORTS)}")
     if transport != "gloo" and not any(state.gpus):
         raise ApiError(
             f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo"
         )
-    if transport == "ipc" and (body.get("gpu") not in state.gpus or workers != 1):
+    if transport == "ipc" and (body.get("gpu") not in state.gpus or state.workers != 1):
         raise ApiError(
             f"ipc needs the trainer on the GPU of a one-GPU server; "
             f"the server's are {state.gpus}, the trainer's is {body.get('gpu')}: use nccl"
@@ -434,10 +420,10 @@ async def init_communicator(request):
     # the group's host and size: nccl and gloo only, ipc needs no group (the size sent is checked,
     # ours is passed on: JSON's 2.0 equals 2 but is no size)
     host = body.get("host")
-    world_size = 1 + workers
+    world_size = 1 + state.workers
     if transport != "ipc" and (not isinstance(host, str) or body.get("world_size") != world_size):
         raise ApiError(
-            f"{transport} needs 'host' (a string) and world_size = 1 (trainer) + {workers} "
+            f"{transport} needs 'host' (a string) and world_size = 1 (trainer) + {state.workers} "
             f"(server workers) = {world_size}"
         )
     port = state.flags.group_port
@@ -506,14 +492,12 @@ def check_buckets(body, state) -> list:
 def check_handle(handle, transport):
     """With ipc a bucket carries the handle of the trainer's buffer (IPC_HANDLE); with nccl and
     gloo none."""
-    if transport == "ipc":
-        well_formed = (
-            isinstance(handle, dict)
-            and set(handle) == set(IPC_HANDLE)
-            and all(isinstance(handle[k], t) for k, t in IPC_HANDLE.items())
-        )
-    else:
+    if transport != "ipc":
         well_formed = handle is None
+    elif isinstance(handle, dict) and set(handle) == set(IPC_HANDLE):
+        well_formed = all(isinstance(handle[k], t) for k, t in IPC_HANDLE.items())
+    else:
+        well_formed = False
     if not well_formed:
         raise ApiError(
             f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} "
@@ -700,10 +684,8 @@ async def openai_completion(request):
         [completions] = await counted_generate(request.app, [prompt], params)
     # the engine refused it (e.g. a prompt longer than --max-model-len)
     except Exception as e:
-        error = engine.error
-        raise ApiError(
-            f"the engine refused the request: {error or e}", 503 if error else 400
-        ) from None
+        status = 503 if engine.error else 400
+        raise ApiError(f"the engine refused the request: {engine.error or e}", status) from None
     finally:
         # a session's calls are recorded in the order they finish; a failed call frees its room
         if recording:
@@ -729,7 +711,6 @@ def openai_events(answer, chat):
 def openai_answer(app, chat, prompt, completions, logprobs, tools):
     """OpenAI's answer, plus prompt_token_ids and, per choice, token_ids and weight_version; with
     `tools` (a tool_request), the tool calls that the --tool-call-parser finds in each choice."""
-    engine = app[ENGINE]
     choices = []
     for i, c in enumerate(completions):
         text = {"message": chat_message(app[STATE], c, tools)} if chat else {"text": c.text}
@@ -739,7 +720,7 @@ def openai_answer(app, chat, prompt, completions, logprobs, tools):
             "finish_reason": c.finish_reason,
             "token_ids": c.token_ids,
             "weight_version": c.version,
-            "logprobs": openai_logprobs(engine, c, chat) if logprobs else None,
+            "logprobs": openai_logprobs(app[ENGINE], c, chat) if logprobs else None,
         }
         # as vLLM's server answers a turn whose tool calls it parsed
         if "tool_calls" in text.get("message", {}):
@@ -852,23 +833,21 @@ def merge(calls) -> tuple[dict | None, str | None]:
     sampled."""
     if not calls:
         return None, "no call of this session has finished yet"
-    ids, mask, logprobs = [], [], []
-    for i, call in enumerate(calls):
-        prompt, sampled = call["prompt_token_ids"], call["completion_token_ids"]
-        if prompt[: len(ids)] != ids:
-            return None, (
-                f"call {i}'s prompt does not continue the tokens before it "
-                "(re-tokenised text, or a call with n > 1): train on 'calls' instead"
-            )
-        new = prompt[len(ids) :]
-        ids = ids + new + sampled
-        mask = mask + [0] * len(new) + [1] * len(sampled)
-        logprobs = logprobs + [None] * len(new) + call["logprobs"]
     turns = [
         {"text": c["text"], "version": c["weight_version"], "finish_reason": c["finish_reason"]}
         for c in calls
     ]
-    return vars(Episode(ids, mask, logprobs, turns, [], turns[-1]["finish_reason"])), None
+    episode = Episode([], [], [], turns, [], turns[-1]["finish_reason"])
+    for i, call in enumerate(calls):
+        prompt = call["prompt_token_ids"]
+        if prompt[: len(episode.token_ids)] != episode.token_ids:
+            return None, (
+                f"call {i}'s prompt does not continue the tokens before it "
+                "(re-tokenised text, or a call with n > 1): train on 'calls' instead"
+            )
+        episode.append(prompt[len(episode.token_ids) :], logprobs=None)
+        episode.append(call["completion_token_ids"], call["logprobs"])
+    return vars(episode), None
 
 
 async def session(request):
