@@ -228,6 +228,27 @@ def test_reward_reads_the_last_number():
     assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
+def test_the_sums_reward_scores_each_running_total_by_how_close_it_is():
+    row = {"prompt": "Sum 12 7 30:", "answer": "49", "totals": [19, 49]}
+    assert train.sums_reward(" 12+7=19 19+30=49", row) == 1.0
+    # the second total 5 off
+    assert train.sums_reward(" 12+7=19 19+30=54", row) == pytest.approx((1 + (1 - 5 / 49)) / 2)
+    # a total not written scores 0, one off by its own value or more too
+    assert train.sums_reward(" 12+7=19", row) == 0.5
+    assert train.sums_reward(" 12+7=38 38+30=98", row) == 0.0
+    assert train.sums_reward("", row) == 0.0
+
+
+def test_sums_prompts_take_from_1_to_15_steps_so_completion_lengths_vary():
+    rows = train.sums_data(1000, seed=0)
+    steps = {len(r["totals"]) for r in rows}
+    assert steps == set(range(1, 16))
+    # every solution's last total is the answer, and the reward that grades it reads it back
+    assert all(r["solution"].endswith("=" + r["answer"]) for r in rows)
+    lengths = [len(r["solution"]) for r in rows]
+    assert max(lengths) > 5 * min(lengths)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["overlap", "sync-batch"])
 def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weights, schedule):
