@@ -281,8 +281,10 @@ def test_the_scale_bench_on_two_servers_reports_speedups_of_sides_that_trained(s
     ranks, each training (a side that trained nothing would stop it: tests/test_bench.py), then
     generation over one server and two."""
     urls = ",".join(f"http://127.0.0.1:{servers[n][1]['port']}" for n in ("plain", "data-parallel"))
-    flags = ["--server-urls", urls, "--out", str(tmp_path), "--steps", "3", "--rounds", "1"]
-    flags += ["--warm-start-steps", "20"]
+    flags = ["--server-urls", urls, "--out", str(tmp_path), "--warm-start-steps", "20"]
+    # the smallest run that trains on both sides: 2 steps of 8 prompts x 2, one measured
+    flags += ["--steps", "2", "--group-size", "2", "--max-tokens", "16"]
+    flags += ["--prompts", "4", "--n", "2", "--rounds", "1"]
     command = [sys.executable, os.path.join(ROOT, "bench", "scale.py"), *flags]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
