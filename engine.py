@@ -105,11 +105,7 @@ class Engine:
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
-        # FINAL_ONLY: vLLM hands over the finished output only, with the logprob of every sampled
-        # token (logprobs 0: the sampled token's alone)
-        sampling = params.clone()
-        sampling.output_kind = RequestOutputKind.FINAL_ONLY
-        sampling.logprobs = max(params.logprobs or 0, 0)
+        sampling = final_output_params(params)
         request_ids = [uuid.uuid4().hex for _ in prompts]
         tasks = [
             asyncio.ensure_future(self._one(p, sampling, priority, version, request_id))
@@ -307,6 +303,15 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
         enable_log_requests=False,
         disable_log_stats=True,
     )
+
+
+def final_output_params(params: SamplingParams) -> SamplingParams:
+    """Ask vLLM for the finished output only, with the logprob of every sampled token."""
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    # 0: the sampled token's logprob alone
+    params.logprobs = max(params.logprobs or 0, 0)
+    return params
 
 
 def completion(c, prompt, k, version, marks) -> Completion:
