@@ -283,30 +283,69 @@ def test_a_model_the_engine_cannot_run_fails_at_start_with_the_cause(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# a server on a model with a short context, whose engine dies under a trainer
+# a server on a model with a short context: it restarts under a trainer, then its engine dies
 
 
 @pytest.fixture(scope="module")
 def short(tmp_path_factory):
+    """{"model", "proc", "client", "start"}: a server on a model of a 512-token context; a test
+    that restarts it (start(), on the same ports) puts the new process here."""
     folder = tmp_path_factory.mktemp("short")
     model = tiny_model(str(folder / "model"), max_position_embeddings=512)
-    proc, client = launch_server("--model", model, *GPU_FLAGS, log_path=folder / "server.log")
-    yield model, proc, client
-    if proc.poll() is None:
-        stop_in_background(proc)
+    ports = {"port": free_port(), "group_port": free_port()}
+
+    def start():
+        log = folder / f"server{time.monotonic()}.log"
+        return launch_server("--model", model, *GPU_FLAGS, log_path=log, **ports)[0]
+
+    served = {"model": model, "proc": start(), "start": start}
+    served["client"] = Client(f"http://127.0.0.1:{ports['port']}")
+    yield served
+    if served["proc"].poll() is None:
+        stop_in_background(served["proc"])
 
 
 def test_the_server_takes_its_context_length_from_the_model(short):
-    _, _, client = short
-    assert client.health()["max_model_len"] == 512
-    [[c]] = client.generate([[5] * 500], max_tokens=12, ignore_eos=True)
+    assert short["client"].health()["max_model_len"] == 512
+    [[c]] = short["client"].generate([[5] * 500], max_tokens=12, ignore_eos=True)
     assert len(c.token_ids) == 12
 
 
-def test_a_dead_engine_stops_the_trainer_at_once_with_the_cause(short, tmp_path):
-    model, proc, client = short
+def test_training_survives_a_server_restart(short, tmp_path):
+    """The server is stopped after two steps and a new one starts on its ports: the trainer
+    reconnects, pushes its weights, and trains all 8 steps."""
     cfg = train.Config(
-        model=model,
+        model=short["model"],
+        steps=8,
+        prompts_per_step=8,
+        micro_batches=2,
+        group_size=4,
+        out=str(tmp_path),
+        reconnect_timeout=240,
+    )
+    out = {}
+    trainer = threading.Thread(
+        target=lambda: out.setdefault("history", train.train(cfg, Client(short["client"].base_url)))
+    )
+    trainer.start()
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and trainer.is_alive()
+        time.sleep(0.2)
+    stop_server(short["proc"])  # mid-training
+    short["proc"] = short["start"]()
+    trainer.join(600)
+    assert not trainer.is_alive()
+    versions = [h["version"] for h in out["history"]]
+    assert len(versions) == 8
+    # a new server, and training went on
+    assert any(b < a for a, b in zip(versions, versions[1:])), versions
+
+
+def test_a_dead_engine_stops_the_trainer_at_once_with_the_cause(short, tmp_path):
+    cfg = train.Config(
+        model=short["model"],
         steps=50,
         prompts_per_step=8,
         micro_batches=2,
@@ -317,6 +356,7 @@ def test_a_dead_engine_stops_the_trainer_at_once_with_the_cause(short, tmp_path)
         reconnect_timeout=30,
     )
     out = {}
+    client = short["client"]
 
     def run():
         try:
@@ -330,7 +370,7 @@ def test_a_dead_engine_stops_the_trainer_at_once_with_the_cause(short, tmp_path)
     while client.health()["in_flight"] == 0:  # generating: the trainer waits for the results
         assert time.monotonic() < deadline and trainer.is_alive()
         time.sleep(0.05)
-    for child in psutil.Process(proc.pid).children(recursive=True):  # vLLM's engine
+    for child in psutil.Process(short["proc"].pid).children(recursive=True):  # vLLM's engine
         child.kill()
     trainer.join(120)
     assert not trainer.is_alive()
@@ -567,58 +607,6 @@ def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):
     proc.wait(60)  # the server notices within a second or so, and stops
     assert proc.returncode not in (0, None)
     assert "engine failed" in open(log).read()
-
-
-# -----------------------------------------------------------------------------
-# a trainer whose server restarts
-
-
-def test_training_survives_a_server_restart(model_path, tmp_path):
-    port, group_port = free_port(), free_port()
-
-    def start():
-        return launch_server(
-            "--model",
-            model_path,
-            *GPU_FLAGS,
-            port=port,
-            group_port=group_port,
-            log_path=tmp_path / f"server{time.monotonic()}.log",
-        )[0]
-
-    proc = start()
-    cfg = train.Config(
-        model=model_path,
-        steps=8,
-        prompts_per_step=8,
-        micro_batches=2,
-        group_size=4,
-        out=str(tmp_path),
-        reconnect_timeout=240,
-    )
-    out = {}
-    trainer = threading.Thread(
-        target=lambda: out.setdefault(
-            "history", train.train(cfg, Client(f"http://127.0.0.1:{port}"))
-        )
-    )
-    trainer.start()
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
-        assert time.monotonic() < deadline and trainer.is_alive()
-        time.sleep(0.2)
-    stop_server(proc)  # mid-training
-    proc = start()
-    try:
-        trainer.join(600)
-        assert not trainer.is_alive()
-        versions = [h["version"] for h in out["history"]]
-        assert len(versions) == 8
-        # a new server, and training went on
-        assert any(b < a for a, b in zip(versions, versions[1:])), versions
-    finally:
-        stop_server(proc)
 
 
 def test_a_failed_request_among_several_loses_none_of_the_others(client):
