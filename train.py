@@ -418,7 +418,8 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
-    """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature: the server sampled from
+    """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
+    set, 0 elsewhere (prompt and padding need no output layer). The server sampled from
     softmax(postprocess_logits(logits) / temperature): the logits as the family's `forward` makes
     them. The vocabulary-sized logits never exist for the whole
     batch: the hidden states go through the output layer `chunk_tokens` positions at a time (the
@@ -432,9 +433,10 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     hidden = model(
         input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
     ).hidden_states[-1]
-    # (B*(T-1), H), (B*(T-1),)
-    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets = ids[:, 1:].reshape(-1)
+    # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
+    keep = batch["mask"].to(model.device).flatten() > 0
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
+    targets = ids[:, 1:].reshape(-1)[keep]
     head = model.get_output_embeddings()
     # 0 is greedy: no scaling
     scale = 1 / temperature if temperature > 0 else 1.0
@@ -447,7 +449,9 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     for i in range(0, len(targets), chunk_tokens):
         chunk = slice(i, i + chunk_tokens)
         out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
-    return torch.cat(out).view(ids.shape[0], -1).cpu()
+    # each kept position's logprob in its place, 0 elsewhere
+    logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
+    return logprobs.view(len(ids), -1).cpu()
 
 
 def postprocess_logits(logits, config):
@@ -918,6 +922,8 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
         index = chosen.nonzero().flatten()
+        # longest first: a forward pads its sequences to the longest, so like lengths go together
+        index = sorted(index.tolist(), key=lambda i: -len(seqs[i]["ids"]))
         part = [seqs[i] for i in index]
         size = cfg.train_micro_batch or max(len(part), 1)
         for i in range(0, len(part), size):
