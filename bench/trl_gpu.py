@@ -125,7 +125,8 @@ def parse_args(argv=None):
         action="append",
         default=[],
         metavar="NAME:FIELD=VALUE,...",
-        help="one more schedule of ours, train.Config fields: e.g. 'in-flight:update_mode=in-flight'",
+        help="one more schedule of ours, train.Config fields: "
+        "e.g. 'in-flight:update_mode=in-flight'",
     )
     p.add_argument("--trl-is-correction", action="store_true", help="TRL's vLLM IS correction on")
     p.add_argument("--trl-async-max-staleness", type=int, default=1)
