@@ -483,9 +483,7 @@ def check_buckets(body, state) -> list:
         check_handle(bucket.get("handle"), state.transport)
     missing = sorted(set(spec) - seen)
     if missing:
-        raise ApiError(
-            f"an update must carry every parameter; missing {len(missing)}: {missing[:5]}"
-        )
+        raise ApiError(f"an update needs every parameter; missing {len(missing)}: {missing[:5]}")
     return buckets
 
 
@@ -1020,11 +1018,9 @@ def add_limit_flags(g):
 
 def add_sync_flags(g):
     g.add_argument("--group-port", type=int, default=51216, help="the weight-sync group's port")
-    # while joining the group or receiving a bucket; on timeout the update fails and the old
-    # weights and version stay
-    g.add_argument(
-        "--weight-sync-timeout", type=float, default=60.0, help="seconds for the trainer"
-    )
+    # for the trainer, while joining the group or receiving a bucket; on timeout the update fails
+    # and the old weights and version stay
+    g.add_argument("--weight-sync-timeout", type=float, default=60.0, help="seconds per bucket")
     # for the requests in flight to finish; then the update is refused (503) before anything is sent
     g.add_argument("--drain-timeout", type=float, default=60.0, help="seconds an update drains")
 

@@ -860,10 +860,8 @@ def accumulate_step(rollouts, model, tok, measure_all):
     stats = {"tokens": 0, "gen": [], "train": [], "sync": []}
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
-    for rows, samples, timings in collect(rollouts.client, queued.rows, queued.requests, cfg):
-        stats["gen"].append(
-            [min(m["started"] for m in timings), max(m["finished"] for m in timings)]
-        )
+    for rows, samples, times in collect(rollouts.client, queued.rows, queued.requests, cfg):
+        stats["gen"].append([min(t["started"] for t in times), max(t["finished"] for t in times)])
         # the trainer waited for this micro-batch until now
         with timed(stats["train"]):
             # B = prompts * G
@@ -1292,3 +1290,11 @@ if __name__ == "__main__":
         # under torchrun: leave the group, or gloo's threads abort the process as it exits
         if dist.is_initialized():
             dist.destroy_process_group()
+    if "LOCAL_RANK" in os.environ:
+        # a torchrun rank that finished skips Python's finalization: FSDP2's DTensor caches keep
+        # the group alive even so, and a gloo thread of it that still drops the last broadcast's
+        # tensors then cannot take the GIL and is killed mid-destructor (SIGABRT, "terminate
+        # called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
