@@ -365,14 +365,16 @@ class Client(AbortsOnError):
         `n` Completion(text, token_ids, logprobs, finish_reason, version). Keyword arguments are
         vLLM SamplingParams fields (n, temperature, max_tokens, top_p, top_k, seed, stop, ...; the
         server's defaults are n=1, max_tokens=16 and vLLM's), `priority` (lower runs first), or
-        `min_version`. With is_async=True, return a RemoteFuture at once instead.
-        With split_prompts=True, one RemoteFuture per prompt (collect them with as_completed())."""
-        body = {"prompts": list(prompts), **sampling}
-        if sampling.get("split_prompts"):
-            ids = self._request("POST", "/generate", body)["request_ids"]
-            self.pending.update(dict.fromkeys(ids, 1))
-            return [RemoteFuture(self, i) for i in ids]
-        return self._submit("/generate", body, is_async)
+        `min_version`. With is_async=True, return a RemoteFuture at once instead."""
+        return self._submit("/generate", {"prompts": list(prompts), **sampling}, is_async)
+
+    def submit_each(self, prompts, **sampling):
+        """generate() with one request per prompt, all in one call: a RemoteFuture per prompt, in
+        order (collect them with as_completed(), in the order they finish)."""
+        body = {"prompts": list(prompts), "split_prompts": True, **sampling}
+        ids = self._request("POST", "/generate", body)["request_ids"]
+        self.pending.update(dict.fromkeys(ids, 1))
+        return [RemoteFuture(self, i) for i in ids]
 
     def rollout(self, prompts, is_async=False, **options):
         """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask,
@@ -638,23 +640,23 @@ class Router(AbortsOnError):
         placed = placed or {}
         return min(self.live, key=lambda c: sum(c.pending.values()) + len(placed.get(c, ())))
 
-    def generate(self, prompts, is_async=False, **sampling):
-        """Client.generate with the prompts spread over the live servers, one request per prompt,
-        each on the server least loaded once the prompts before it are placed: with split_prompts
-        their RemoteFutures; else their results in one list (is_async: a concurrent.futures.Future
-        of it)."""
+    def submit_each(self, prompts, **sampling):
+        """Client.submit_each with the prompts spread over the live servers, each on the server
+        least loaded once the prompts before it are placed: a RemoteFuture per prompt, in order."""
         placed = {}  # Client -> the indices of its prompts
         for i in range(len(prompts)):
             placed.setdefault(self.least_loaded(placed), []).append(i)
         futures = {}
         for client, indices in placed.items():
-            own = client.generate(
-                [prompts[i] for i in indices], **sampling | {"split_prompts": True}
+            futures.update(
+                zip(indices, client.submit_each([prompts[i] for i in indices], **sampling))
             )
-            futures.update(zip(indices, own))
-        futures = [futures[i] for i in range(len(prompts))]
-        if sampling.get("split_prompts"):
-            return futures
+        return [futures[i] for i in range(len(prompts))]
+
+    def generate(self, prompts, is_async=False, **sampling):
+        """Client.generate over the live servers, a request per prompt (submit_each): the results
+        in one list (is_async: a concurrent.futures.Future of it)."""
+        futures = self.submit_each(prompts, **sampling)
         return self.pool.submit(collect_each, futures) if is_async else collect_each(futures)
 
     def rollout(self, prompts, **options):

@@ -526,11 +526,11 @@ async def update_weights(request):
     if not state.transport:
         raise ApiError("no weight sync set up: call /init_communicator first", 409)
     # resolved by the engine once the workers are told to receive
-    receiving = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(run_update(request.app, buckets, mode, receiving, version))
-    await asyncio.wait([receiving, task], return_when=asyncio.FIRST_COMPLETED)
+    ready = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(run_update(request.app, buckets, mode, ready, version))
+    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
-    if not receiving.done():
+    if not ready.done():
         raise ApiError(
             f"weight update refused, version {engine.version} kept: {task.exception()}", 503
         )
@@ -543,18 +543,18 @@ async def update_weights(request):
     return answer
 
 
-async def run_update(app, buckets, mode, receiving, version) -> dict:
+async def run_update(app, buckets, mode, ready, version) -> dict:
     """Engine.update_weights, and its outcome as the answer's last line. It raises only while the
-    update can still be refused: before `receiving` is resolved."""
+    update can still be refused: before `ready` is resolved."""
     engine = app[ENGINE]
     flags = app[STATE].flags
     start = time.perf_counter()
     try:
         version, timings = await engine.update_weights(
-            buckets, receiving, mode, flags.weight_sync_timeout, flags.drain_timeout, version
+            buckets, ready, mode, flags.weight_sync_timeout, flags.drain_timeout, version
         )
     except Exception as e:
-        if not receiving.done():
+        if not ready.done():
             raise
         if engine.error:
             error = f"weight update failed; the server exits: {engine.error}"

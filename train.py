@@ -201,490 +201,7 @@ def parse_config(argv=None) -> Config:
         parser.error(str(e))
 
 
-# -- data and reward -------------------------------------------------------------------------------
-def addition_data(n, seed, digits=5):
-    """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
-    rng = random.Random(seed)
-    return [
-        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
-        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
-    ]
-
-
-def calculator_data(n, seed):
-    """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
-    rng = random.Random(seed)
-    qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
-    prompt = "What is {}? Call <tool>calc EXPRESSION</tool>, then answer.\n"
-    return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
-
-
-def sums_data(n, seed):
-    """The GPU workload's task: add up 2-16 numbers of 1-2 digits, writing the running total after
-    each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt to
-    prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, 16))]
-        totals = list(itertools.accumulate(terms))
-        steps = [f"{total}+{term}={total + term}" for total, term in zip(totals, terms[1:])]
-        row = {"prompt": "Sum " + " ".join(map(str, terms)) + ":", "answer": str(totals[-1])}
-        # what the reward checks, and what the warm start teaches
-        rows.append(row | {"totals": totals[1:], "solution": " " + " ".join(steps)})
-    return rows
-
-
-def load_data(cfg):
-    """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
-    evaluating), and no training row has one of their prompts."""
-    if not cfg.dataset:
-        data = TASKS[cfg.task][0](100_000, cfg.seed)
-    else:
-        data = read_dataset(cfg.dataset, reward_function(cfg))
-    if not (cfg.eval_every or cfg.eval_only):
-        return data, []
-    held_out = list({r["prompt"]: r for r in data}.values())[: cfg.eval_prompts]
-    prompts = {r["prompt"] for r in held_out}
-    data = [r for r in data if r["prompt"] not in prompts]
-    if not data and not cfg.eval_only:
-        raise ValueError(
-            f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts"
-        )
-    return data, held_out
-
-
-def read_dataset(path, reward_fn):
-    """The rows of a jsonl file, every one checked before anything is generated: a JSON object with
-    a string "prompt" (and "task", if any; a row without one is of the task named after the file)
-    that the reward can score (an empty completion must get a number in [0, 1], so a field the
-    reward reads and the row lacks shows here). Raises ValueError naming the bad lines."""
-    task = os.path.splitext(os.path.basename(path))[0]
-    rows, errors = [], []
-    with open(path) as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        # whatever the row or the reward raises is that line's error
-        try:
-            row = json.loads(line)
-            row.setdefault("task", task)
-            if not isinstance(row["prompt"], str) or not isinstance(row["task"], str):
-                raise ValueError('"prompt" and "task" must be strings')
-            score(reward_fn, "", row)
-            rows.append(row)
-        except Exception as e:
-            errors.append(f"line {number}: {type(e).__name__}: {e}")
-    if errors or not rows:
-        shown = "; ".join(errors[:5]) or "no rows"
-        raise ValueError(f"{path}: {len(errors)} bad lines of {len(lines)}: {shown}")
-    return rows
-
-
-# -- the reward: a function of (completion, row) -> [0, 1] -----------------------------------------
-def reward(completion: str, answer: str) -> float:
-    """The default reward: 1 if the last number in the completion equals the answer, else 0."""
-    return float(distance(completion, answer) == 0)
-
-
-def addition_reward(completion: str, row: dict) -> float:
-    """The built-in task's reward: an answer off by one earns 2/3 and off by two 1/3, a denser
-    signal for the tiny model, which otherwise locks into its first lucky answers."""
-    return max(0.0, 1 - distance(completion, row["answer"]) / 3)
-
-
-def answer_reward(completion: str, row: dict) -> float:
-    return reward(completion, row["answer"])
-
-
-def sums_reward(completion: str, row: dict) -> float:
-    """The sums task's reward: each running total the completion writes ("=19"), in order, scores
-    1 if right and less the further off it is (0 from twice or nothing), one not written 0; the
-    mean over the row's totals. 1 when every step, and so the answer, is right."""
-    written = [int(number) for number in re.findall(r"=(\d+)", completion)]
-    scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
-    return sum(scores) / len(row["totals"])
-
-
-# the built-in tasks (--task): their data, (n, seed) -> rows, and their reward
-TASKS = {
-    "addition": (addition_data, addition_reward),
-    "calculator": (calculator_data, answer_reward),
-    "sums": (sums_data, sums_reward),
-}
-
-
-def distance(completion, answer):
-    """|the last number in the completion - the answer|, inf where there is none."""
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
-    try:
-        return abs(float(numbers[-1]) - float(answer)) if numbers else math.inf
-    except ValueError:
-        return math.inf
-
-
-def reward_function(cfg):
-    """--reward's function (module:function, importable from here), else the task's own."""
-    if not cfg.reward:
-        return answer_reward if cfg.dataset else TASKS[cfg.task][1]
-    return load_function(cfg.reward, "--reward")
-
-
-def score(reward_fn, completion, row) -> float:
-    """One completion's reward, checked to be a number in [0, 1]."""
-    value = reward_fn(completion, row)
-    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
-    return float(value)
-
-
-def load_model(path, device="cpu"):
-    """The model to train, in float32. transformers' default attention (sdpa) ignores Gemma-2's
-    attention logit soft-capping, which vLLM applies: such a model gets eager attention."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
-        model.set_attn_implementation("eager")
-    return model
-
-
-def builtin_model(cfg):
-    """The built-in model: client.tiny_model of --model-size (seeded, nothing downloaded),
-    warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
-    size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
-    base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])
-    return warm_start(base, f"{base}-{cfg.task}-{cfg.warm_start_steps}", cfg)
-
-
-def warm_start(base, path, cfg):
-    """--warm-start-steps supervised steps of 64 prompts on --device (bf16 autocast with --bf16):
-    - addition (and calculator): the answer *format*, "a+b=" -> a number, then end-of-text, with
-      random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums;
-    - sums: worked solutions, right: a model that can already answer, as RL starts from, and
-      whose answers are right in part (on the GPU, about a minute for the 0.5B shape)."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    model = load_model(base, cfg.device)
-    tok = AutoTokenizer.from_pretrained(base)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
-    for _ in tqdm(range(cfg.warm_start_steps), desc=f"warm start on {cfg.task}"):
-        rows = TASKS["sums" if cfg.task == "sums" else "addition"][0](64, rng.random())
-        # addition: any sum 0..8
-        answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
-        prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
-        answer_ids = [tok(a).input_ids + [tok.eos_token_id] for a in answers]
-        batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
-        with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
-            logprobs = token_logprobs(model, batch)
-        loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    save_model(model.cpu(), tok, path)
-    return path
-
-
-# -- GRPO: advantages and the policy-gradient loss -------------------------------------------------
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """(prompts, G) rewards -> advantages normalised within each group. A group whose rewards are
-    all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
-    `backward` can skip it."""
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(equal, 0.0, (rewards - mean) / (std + 1e-4))
-
-
-def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
-    """Right-padded (B, T) input_ids, attention, and a loss mask that is 1 on completion tokens
-    (or, for multi-turn episodes, on the tokens the model sampled: `loss_masks`); with
-    `old_logprobs` (per token, None where not sampled) also the behaviour logprobs."""
-    rows = [p + c for p, c in zip(prompt_ids, completion_ids)]
-    masks = loss_masks or [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, completion_ids)]
-    T = max(len(r) for r in rows)
-    input_ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])  # (B, T)
-    attention = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # (B, T)
-    mask = torch.tensor([m + [0] * (T - len(m)) for m in masks], dtype=torch.float32)  # (B, T)
-    # aligned with the targets
-    batch = {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}
-    if old_logprobs is not None:
-        # (B, T)
-        old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])
-        batch["old_logprobs"] = old[:, 1:]
-    return batch
-
-
-def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
-    """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
-    set, 0 elsewhere (prompt and padding need no output layer). The server sampled from
-    softmax(postprocess_logits(logits) / temperature): the logits as the family's `forward` makes
-    them. The vocabulary-sized logits never exist for the whole
-    batch: the hidden states go through the output layer `chunk_tokens` positions at a time (the
-    target's logit minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in
-    backward (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
-    150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
-    ids = batch["input_ids"].to(model.device)
-    attention = batch["attention"].to(model.device)
-    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
-    # position, the hidden states go through the output layer in chunks below
-    hidden = model(
-        input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
-    ).hidden_states[-1]
-    # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
-    keep = batch["mask"].to(model.device).flatten() > 0
-    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
-    targets = ids[:, 1:].reshape(-1)[keep]
-    head = model.get_output_embeddings()
-    # 0 is greedy: no scaling
-    scale = 1 / temperature if temperature > 0 else 1.0
-
-    def chunk_logprobs(h, t):
-        logits = postprocess_logits(head(h).float(), model.config) * scale  # (chunk, V)
-        return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
-
-    out = []
-    for i in range(0, len(targets), chunk_tokens):
-        chunk = slice(i, i + chunk_tokens)
-        out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
-    # each kept position's logprob in its place, 0 elsewhere
-    logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
-    return logprobs.view(len(ids), -1).cpu()
-
-
-def postprocess_logits(logits, config):
-    """What a family's `forward` does to the output layer's logits, read from its config. vLLM
-    applies the same (its LogitsProcessor's soft_cap and scale), so the trainer must, or it trains
-    on another distribution than the one the server samples from:
-    - Gemma-2/3: final_logit_softcapping c -> c * tanh(logits / c)
-    - Granite: logits_scaling s -> logits / s
-    - Cohere: logit_scale s -> logits * s
-    A family that does anything else (or uses these names otherwise: HyperCLOVAX multiplies by its
-    logits_scaling) is caught before training by check_logprobs, which refuses to train."""
-    config = config.get_text_config()
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    scale = (getattr(config, "logit_scale", None) or 1.0) / getattr(config, "logits_scaling", 1.0)
-    return logits * scale
-
-
-def check_logprobs(model, tok, text, atol=1e-3):
-    """Refuse to train unless token_logprobs equals log_softmax of the model's own `forward` on
-    `text`, up to `atol`: a family whose `forward` post-processes logits in a way
-    postprocess_logits does not know would otherwise train, silently, on another distribution
-    than the server's. Returns the largest difference."""
-    batch = make_batch([[]], [tok(text).input_ids], pad_id=0)
-    with torch.no_grad():
-        ours = token_logprobs(model, batch)
-        logits = model(input_ids=batch["input_ids"].to(model.device)).logits[:, :-1].float()
-    theirs = logits.cpu().log_softmax(-1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    difference = (ours - theirs).abs().max().item()
-    # written so that NaN fails too
-    if not difference <= atol:
-        raise RuntimeError(
-            f"train.token_logprobs differs from {type(model).__name__}.forward by up to "
-            f"{difference:.3g} (logprob) on a probe: the family {model.config.model_type!r} "
-            f"post-processes its logits in a way train.postprocess_logits does not apply, so "
-            f"training would follow another distribution than the server's. Teach it there."
-        )
-    return difference
-
-
-def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
-    """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
-    logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
-    sampled; advantages (B,); mask (B, T); stale (B, T) True for tokens sampled by older weights.
-    w = 1 on-policy; stale tokens get truncated importance sampling (TIS): w = min(p / p_old,
-    is_cap), without gradient. The caller divides the step's gradient by its completion tokens."""
-    ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
-    w = torch.where(stale, ratio, torch.ones_like(ratio))
-    return -(w * advantages[:, None] * logprobs * mask).sum(), w
-
-
-def sequence(row, sample, reward_fn=answer_reward):
-    """One sample as token ids (the prompt's as the server tokenised it), loss mask (1 = sampled by
-    the model), behaviour logprobs, reward (`reward_fn` of the completion and the row), and the
-    weight version that sampled each token."""
-    # Client.session's episode is None when the calls do not continue one another token for token
-    if sample is None:
-        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
-    if isinstance(sample, Episode):
-        # an episode merged from a session has no spans: its first turn's version
-        spans = sample.versions or [[sample.turns[0]["version"], 0]]
-        return {
-            "ids": sample.token_ids,
-            "mask": sample.loss_mask,
-            "logprobs": sample.logprobs,
-            "reward": score(reward_fn, sample.turns[-1]["text"], row),
-            "versions": per_token(spans, 0, len(sample.token_ids)),
-        }
-    prompt = sample.prompt_token_ids
-    return {
-        "ids": prompt + sample.token_ids,
-        "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
-        "logprobs": [None] * len(prompt) + sample.logprobs,
-        "reward": score(reward_fn, sample.text, row),
-        "versions": per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
-    }
-
-
-def per_token(spans, offset, length):
-    """The version of each of `length` tokens, from [[version, first token]] spans that count from
-    `offset` (tokens before it, never trained on, take the first version)."""
-    starts = [0] + [offset + start for _, start in spans[1:]] + [length]
-    return [v for (v, _), a, b in zip(spans, starts, starts[1:]) for _ in range(a, b)]
-
-
-# -- the schedules: submit_rollouts() sends a step's prompts, collect() hands them over ------------
-def requester(client, cfg):
-    """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
-    if cfg.task != "calculator":
-        return client.generate
-    # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
-    episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
-    return functools.partial(
-        client.rollout, tools=["calc"], max_turns=cfg.max_turns, max_episode_tokens=episode_tokens
-    )
-
-
-def submit_rollouts(client, rows, cfg, min_version=0):
-    """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
-    rows' order (collect() decides when the trainer takes which). With `min_version` the server
-    holds them until those weights are loaded (no round trip needed)."""
-    request = requester(client, cfg)
-    sampling = dict(
-        n=cfg.group_size,
-        temperature=cfg.temperature,
-        max_tokens=cfg.max_tokens,
-        min_version=min_version,
-        # a queued step's results wait on the server, however long the steps before it train
-        keep_result=True,
-    )
-    if cfg.seed_requests:
-        # a function of the step's rows: the same prompts get the same seed, whenever they are sent
-        sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
-    prompts = [r["prompt"] for r in rows]
-    if cfg.task == "calculator":
-        # every prompt its own request
-        return [request([prompt], is_async=True, **sampling) for prompt in prompts]
-    # every prompt its own request, all in one call: the engine decodes one big batch
-    return client.generate(prompts, split_prompts=True, **sampling)
-
-
-def collect(client, rows, futures, cfg):
-    """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G],
-    in the order the schedule hands them to the trainer. Whatever the order and composition of
-    micro-batches, the step's summed gradient is the same: only *when* the trainer gets each sample
-    changes. Micro-batches are split by prompt, never inside a prompt's group: a group's advantages
-    need all G of its rewards, so a group never straddles two micro-batches."""
-    size = len(rows) // cfg.micro_batches
-    if cfg.schedule == "sync-batch":
-        # wait for the whole step, then train on its slices
-        results = collect_each(futures)
-        for i in range(0, len(rows), size):
-            part = slice(i, i + size)
-            yield rows[part], results[part], [future.timing for future in futures[part]]
-        return
-    # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
-    # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
-    row_of = {future.request_id: row for row, future in zip(rows, futures)}
-    done = []
-    for future, [group] in client.as_completed(futures):
-        done.append((row_of[future.request_id], group, future.timing))
-        if len(done) == size:
-            yield [r for r, _, _ in done], [g for _, g, _ in done], [t for _, _, t in done]
-            done = []
-
-
-# -- evaluation ------------------------------------------------------------------------------------
-def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n,
-    k)."""
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def evaluate(client, rows, cfg):
-    """--eval-n samples per held-out row on the server's current weights, at the sampling
-    temperature; a sample passes with a reward of at least --success-threshold. Returns pass@k for
-    k = 1, 2, 4, ... <= n, over all rows and per task (a row's "task"; the built-in data's is
-    --task): {"pass@1": ..., "addition/pass@1": ...}."""
-    n = cfg.eval_n
-    reward_fn = reward_function(cfg)
-    # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
-    greedy = {"temperature": 1.0, "top_k": 1}
-    sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
-    prompts = [r["prompt"] for r in rows]
-    results = requester(client, cfg)(prompts, n=n, max_tokens=cfg.max_tokens, **sampling)
-    ks = [2**i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
-    per_task = {}
-    for row, samples in zip(rows, results, strict=True):
-        if len(samples) != n:
-            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked for {n}")
-        texts = [s.turns[-1]["text"] if isinstance(s, Episode) else s.text for s in samples]
-        correct = sum(score(reward_fn, text, row) >= cfg.success_threshold for text in texts)
-        for task in ("", row.get("task", cfg.task) + "/"):
-            per_task.setdefault(task, []).append(correct)
-    return {
-        f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs)
-        for task, cs in per_task.items()
-        for k in ks
-    }
-
-
-# -- logging ---------------------------------------------------------------------------------------
-def plot(history, path):
-    """Reward per step, the time each step spent, a timeline of a few steps (draw_timeline), and the
-    trainer-server mismatch (mismatch_metrics). Held-out evaluations are printed and saved
-    (metrics.jsonl's "eval", eval.json), not drawn."""
-    import matplotlib.pyplot as plt
-
-    plt.switch_backend("agg")
-    steps = [h["step"] for h in history]
-    fig, (ax1, ax2, ax3, ax4) = plt.subplots(
-        4, 1, figsize=(9, 12), gridspec_kw={"height_ratios": [3, 2, 2, 2]}
-    )
-    ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
-    ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
-    ax1.legend(loc="lower right", fontsize=8)
-    staleness = max(h["staleness"] for h in history)
-    title = f"GRPO, {history[0]['schedule']} schedule, max staleness {staleness:.0f}"
-    ax1.set(ylabel="per sample", title=title)
-    # the trainer's time, stacked: training, idle (waiting for samples), the weight push
-    bottom = [0.0] * len(steps)
-    for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
-        values = [h[key] for h in history]
-        ax2.bar(steps, values, bottom=bottom, color=color, label=key)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.plot(steps, [h["gen_s"] for h in history], "k.-", label="gen_s (server)")
-    ax2.set(xlabel="optimizer step", ylabel="seconds")
-    ax2.legend(loc="upper right", fontsize=8)
-    draw_timeline(ax3, history)
-    for key in ("mismatch_mean", "mismatch_max", "mismatch_kl"):
-        ax4.plot(steps, [h[key] for h in history], marker=".", label=key.replace("_", " "))
-    ax4.set(xlabel="optimizer step", ylabel="trainer vs server logprobs", yscale="log")
-    ax4.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def draw_timeline(ax, history, steps=4):
-    """A few steps from the middle of a run, from metrics.jsonl's intervals: when the server
-    generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
-    shown = history[len(history) // 2 :][:steps]
-    t0 = min(a for h in shown for a, _ in h["intervals"]["gen"] + h["intervals"]["train"])
-    lanes = [("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]
-    for lane, (key, color) in enumerate(lanes):
-        bars = [(a - t0, b - a) for h in shown for a, b in h["intervals"][key]]
-        ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, alpha=0.5)
-    ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
-    ax.set_xlabel(f"seconds, steps {shown[0]['step']}-{shown[-1]['step']}: a bar per micro-batch")
-
-
-# -- the loop --------------------------------------------------------------------------------------
+# -- the loop: train() and what it calls, in the order it calls it ---------------------------------
 def train(cfg: Config, client: Client, data=None):
     """Run GRPO; `data`: load_data's (training rows, held-out rows), loaded here if not given."""
     torch.manual_seed(cfg.seed)
@@ -870,16 +387,16 @@ def accumulate_step(rollouts, model, tok, measure_all):
             rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
-            n, w, d = backward_share(
+            tokens, is_weights, deltas = backward_share(
                 model, cfg, seqs, advantages, version, tok.pad_token_id, measure_all
             )
-            stats["tokens"] += n
+            stats["tokens"] += tokens
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
             tensors["staleness"].append(torch.tensor(lags))
             tensors["rewards"].append(rewards.flatten())
-            tensors["is_weights"].append(w)
-            tensors["logprob_deltas"].append(d)
+            tensors["is_weights"].append(is_weights)
+            tensors["logprob_deltas"].append(deltas)
     return stats | {key: torch.cat(values) for key, values in tensors.items()}
 
 
@@ -899,6 +416,134 @@ def check_versions(rollouts, seqs, staleness):
         f"sample versions {sorted(versions)} at trainer version {version}: the schedule "
         f"promises {min_lag} to {staleness} behind"
     )
+
+
+# -- the schedules: submit_rollouts() sends a step's prompts, collect() hands them over ------------
+def requester(client, cfg):
+    """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
+    if cfg.task != "calculator":
+        return client.generate
+    # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
+    episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
+    return functools.partial(
+        client.rollout, tools=["calc"], max_turns=cfg.max_turns, max_episode_tokens=episode_tokens
+    )
+
+
+def submit_rollouts(client, rows, cfg, min_version=0):
+    """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
+    rows' order (collect() decides when the trainer takes which). With `min_version` the server
+    holds them until those weights are loaded (no round trip needed)."""
+    request = requester(client, cfg)
+    sampling = dict(
+        n=cfg.group_size,
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens,
+        min_version=min_version,
+        # a queued step's results wait on the server, however long the steps before it train
+        keep_result=True,
+    )
+    if cfg.seed_requests:
+        # a function of the step's rows: the same prompts get the same seed, whenever they are sent
+        sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
+    prompts = [r["prompt"] for r in rows]
+    if cfg.task == "calculator":
+        # every prompt its own request
+        return [request([prompt], is_async=True, **sampling) for prompt in prompts]
+    # every prompt its own request, all in one call: the engine decodes one big batch
+    return client.submit_each(prompts, **sampling)
+
+
+def collect(client, rows, futures, cfg):
+    """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G],
+    in the order the schedule hands them to the trainer. Whatever the order and composition of
+    micro-batches, the step's summed gradient is the same: only *when* the trainer gets each sample
+    changes. Micro-batches are split by prompt, never inside a prompt's group: a group's advantages
+    need all G of its rewards, so a group never straddles two micro-batches."""
+    size = len(rows) // cfg.micro_batches
+    if cfg.schedule == "sync-batch":
+        # wait for the whole step, then train on its slices
+        results = collect_each(futures)
+        for i in range(0, len(rows), size):
+            part = slice(i, i + size)
+            yield rows[part], results[part], [future.timing for future in futures[part]]
+        return
+    # the overlap: hand the trainer each next `size` prompts' groups in the order they finish,
+    # while the rest are still decoding; rollout lengths are long-tailed, so most finish early
+    row_of = {future.request_id: row for row, future in zip(rows, futures)}
+    done = []
+    for future, [group] in client.as_completed(futures):
+        done.append((row_of[future.request_id], group, future.timing))
+        if len(done) == size:
+            yield [r for r, _, _ in done], [g for _, g, _ in done], [t for _, _, t in done]
+            done = []
+
+
+# -- a micro-batch's samples, their advantages and the policy gradient -----------------------------
+def sequence(row, sample, reward_fn):
+    """One sample as token ids (the prompt's as the server tokenised it), loss mask (1 = sampled by
+    the model), behaviour logprobs, reward (`reward_fn` of the completion and the row), and the
+    weight version that sampled each token."""
+    # Client.session's episode is None when the calls do not continue one another token for token
+    if sample is None:
+        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
+    if isinstance(sample, Episode):
+        # an episode merged from a session has no spans: its first turn's version
+        spans = sample.versions or [[sample.turns[0]["version"], 0]]
+        return {
+            "ids": sample.token_ids,
+            "mask": sample.loss_mask,
+            "logprobs": sample.logprobs,
+            "reward": score(reward_fn, sample.turns[-1]["text"], row),
+            "versions": per_token(spans, 0, len(sample.token_ids)),
+        }
+    prompt = sample.prompt_token_ids
+    return {
+        "ids": prompt + sample.token_ids,
+        "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
+        "logprobs": [None] * len(prompt) + sample.logprobs,
+        "reward": score(reward_fn, sample.text, row),
+        "versions": per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
+    }
+
+
+def per_token(spans, offset, length):
+    """The version of each of `length` tokens, from [[version, first token]] spans that count from
+    `offset` (tokens before it, never trained on, take the first version)."""
+    starts = [0] + [offset + start for _, start in spans[1:]] + [length]
+    return [v for (v, _), a, b in zip(spans, starts, starts[1:]) for _ in range(a, b)]
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(prompts, G) rewards -> advantages normalised within each group. A group whose rewards are
+    all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
+    `backward` can skip it."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
+    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(equal, 0.0, (rewards - mean) / (std + 1e-4))
+
+
+def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
+    """backward() of a micro-batch: in one process, of all of it. Under torchrun, of this rank's
+    share: whole groups (a group never straddles two ranks; its advantages were computed before
+    the split). Returns the whole micro-batch's completion tokens, which normalise the step, and
+    every rank's importance weights and trainer-minus-server logprobs."""
+    if not dist.is_initialized():
+        return backward(model, seqs, advantages, version, cfg, pad_id, measure_all)
+    lead("backward", seqs, advantages, version, pad_id, measure_all)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
+    share = slice(rank * len(seqs) // ranks, (rank + 1) * len(seqs) // ranks)
+    _, weights, deltas = backward(
+        model, seqs[share], advantages[share], version, cfg, pad_id, measure_all
+    )
+    # the statistics of every rank's share
+    shares = [None] * ranks
+    dist.all_gather_object(shares, (weights, deltas))
+    weights = torch.cat([w for w, _ in shares])
+    deltas = torch.cat([d for _, d in shares])
+    return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas
 
 
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
@@ -953,6 +598,90 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled]
 
 
+def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
+    """Right-padded (B, T) input_ids, attention, and a loss mask that is 1 on completion tokens
+    (or, for multi-turn episodes, on the tokens the model sampled: `loss_masks`); with
+    `old_logprobs` (per token, None where not sampled) also the behaviour logprobs."""
+    rows = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    masks = loss_masks or [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, completion_ids)]
+    T = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])  # (B, T)
+    attention = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])  # (B, T)
+    mask = torch.tensor([m + [0] * (T - len(m)) for m in masks], dtype=torch.float32)  # (B, T)
+    # aligned with the targets
+    batch = {"input_ids": input_ids, "attention": attention, "mask": mask[:, 1:]}
+    if old_logprobs is not None:
+        # (B, T)
+        old = torch.tensor([[x or 0.0 for x in lp] + [0.0] * (T - len(lp)) for lp in old_logprobs])
+        batch["old_logprobs"] = old[:, 1:]
+    return batch
+
+
+def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
+    """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
+    set, 0 elsewhere (prompt and padding need no output layer). The server sampled from
+    softmax(postprocess_logits(logits) / temperature): the logits as the family's `forward` makes
+    them. The vocabulary-sized logits never exist for the whole
+    batch: the hidden states go through the output layer `chunk_tokens` positions at a time (the
+    target's logit minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in
+    backward (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
+    150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
+    ids = batch["input_ids"].to(model.device)
+    attention = batch["attention"].to(model.device)
+    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
+    # position, the hidden states go through the output layer in chunks below
+    hidden = model(
+        input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
+    ).hidden_states[-1]
+    # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
+    keep = batch["mask"].to(model.device).flatten() > 0
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
+    targets = ids[:, 1:].reshape(-1)[keep]
+    head = model.get_output_embeddings()
+    # 0 is greedy: no scaling
+    scale = 1 / temperature if temperature > 0 else 1.0
+
+    def chunk_logprobs(h, t):
+        logits = postprocess_logits(head(h).float(), model.config) * scale  # (chunk, V)
+        return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
+
+    out = []
+    for i in range(0, len(targets), chunk_tokens):
+        chunk = slice(i, i + chunk_tokens)
+        out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
+    # each kept position's logprob in its place, 0 elsewhere
+    logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
+    return logprobs.view(len(ids), -1).cpu()
+
+
+def postprocess_logits(logits, config):
+    """What a family's `forward` does to the output layer's logits, read from its config. vLLM
+    applies the same (its LogitsProcessor's soft_cap and scale), so the trainer must, or it trains
+    on another distribution than the one the server samples from:
+    - Gemma-2/3: final_logit_softcapping c -> c * tanh(logits / c)
+    - Granite: logits_scaling s -> logits / s
+    - Cohere: logit_scale s -> logits * s
+    A family that does anything else (or uses these names otherwise: HyperCLOVAX multiplies by its
+    logits_scaling) is caught before training by check_logprobs, which refuses to train."""
+    config = config.get_text_config()
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    scale = (getattr(config, "logit_scale", None) or 1.0) / getattr(config, "logits_scaling", 1.0)
+    return logits * scale
+
+
+def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
+    """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
+    logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
+    sampled; advantages (B,); mask (B, T); stale (B, T) True for tokens sampled by older weights.
+    w = 1 on-policy; stale tokens get truncated importance sampling (TIS): w = min(p / p_old,
+    is_cap), without gradient. The caller divides the step's gradient by its completion tokens."""
+    ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
+    w = torch.where(stale, ratio, torch.ones_like(ratio))
+    return -(w * advantages[:, None] * logprobs * mask).sum(), w
+
+
 def optimizer_step(model, opt, stats, cfg):
     lead("step", {"tokens": stats["tokens"], "train": []})
     # the loss normalisation: divide the summed gradient by every completion token of the step
@@ -968,20 +697,7 @@ def optimizer_step(model, opt, stats, cfg):
         opt.zero_grad(set_to_none=True)
 
 
-def finish_run(cfg, client, held_out, history):
-    """After the last step: evaluate the final weights (with --eval-every), plot the run, and print
-    how reward and accuracy moved."""
-    if cfg.eval_every:
-        final_eval(client, held_out, cfg)
-    client.close_communicator()
-    plot(history, os.path.join(cfg.out, "plot.png"))
-    for key in ("reward", "accuracy"):
-        first = mean(h[key] for h in history[:5])
-        last = mean(h[key] for h in history[-5:])
-        print(f"{key}: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
-    print(f"outputs in {cfg.out}")
-
-
+# -- after each step: metrics, and the plot of a run -----------------------------------------------
 def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
     (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
@@ -1059,6 +775,347 @@ def warn_mismatch(row, cfg):
         )
 
 
+def finish_run(cfg, client, held_out, history):
+    """After the last step: evaluate the final weights (with --eval-every), plot the run, and print
+    how reward and accuracy moved."""
+    if cfg.eval_every:
+        final_eval(client, held_out, cfg)
+    client.close_communicator()
+    plot(history, os.path.join(cfg.out, "plot.png"))
+    for key in ("reward", "accuracy"):
+        first = mean(h[key] for h in history[:5])
+        last = mean(h[key] for h in history[-5:])
+        print(f"{key}: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    print(f"outputs in {cfg.out}")
+
+
+def plot(history, path):
+    """Reward per step, the time each step spent, a timeline of a few steps (draw_timeline), and the
+    trainer-server mismatch (mismatch_metrics). Held-out evaluations are printed and saved
+    (metrics.jsonl's "eval", eval.json), not drawn."""
+    import matplotlib.pyplot as plt
+
+    plt.switch_backend("agg")
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(
+        4, 1, figsize=(9, 12), gridspec_kw={"height_ratios": [3, 2, 2, 2]}
+    )
+    ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
+    ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
+    ax1.legend(loc="lower right", fontsize=8)
+    staleness = max(h["staleness"] for h in history)
+    title = f"GRPO, {history[0]['schedule']} schedule, max staleness {staleness:.0f}"
+    ax1.set(ylabel="per sample", title=title)
+    # the trainer's time, stacked: training, idle (waiting for samples), the weight push
+    bottom = [0.0] * len(steps)
+    for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
+        values = [h[key] for h in history]
+        ax2.bar(steps, values, bottom=bottom, color=color, label=key)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax2.plot(steps, [h["gen_s"] for h in history], "k.-", label="gen_s (server)")
+    ax2.set(xlabel="optimizer step", ylabel="seconds")
+    ax2.legend(loc="upper right", fontsize=8)
+    draw_timeline(ax3, history)
+    for key in ("mismatch_mean", "mismatch_max", "mismatch_kl"):
+        ax4.plot(steps, [h[key] for h in history], marker=".", label=key.replace("_", " "))
+    ax4.set(xlabel="optimizer step", ylabel="trainer vs server logprobs", yscale="log")
+    ax4.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_timeline(ax, history, steps=4):
+    """A few steps from the middle of a run, from metrics.jsonl's intervals: when the server
+    generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
+    shown = history[len(history) // 2 :][:steps]
+    t0 = min(a for h in shown for a, _ in h["intervals"]["gen"] + h["intervals"]["train"])
+    lanes = [("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]
+    for lane, (key, color) in enumerate(lanes):
+        bars = [(a - t0, b - a) for h in shown for a, b in h["intervals"][key]]
+        ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, alpha=0.5)
+    ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
+    ax.set_xlabel(f"seconds, steps {shown[0]['step']}-{shown[-1]['step']}: a bar per micro-batch")
+
+
+# -- the model: the policy and its optimizer, its weights for the server, the built-in one ---------
+def make_model(cfg, probe=None):
+    """The policy in float32 on --device, and its optimizer. Under torchrun it is sharded with
+    FSDP2: each decoder layer a unit, gathered just before it runs; the rest (embeddings, final
+    norm, head) the root. `probe`: (tokenizer, text) for check_logprobs (rank 0 checks, before the
+    model is sharded)."""
+    lead("start", cfg)
+    model = load_model(cfg.model, cfg.device)
+    if probe:
+        check_logprobs(model, *probe)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        # transformers checkpoints only in training mode; the models we train have no dropout
+        model.train()
+    if dist.is_initialized():
+        shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+
+def load_model(path, device="cpu"):
+    """The model to train, in float32. transformers' default attention (sdpa) ignores Gemma-2's
+    attention logit soft-capping, which vLLM applies: such a model gets eager attention."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+        model.set_attn_implementation("eager")
+    return model
+
+
+def check_logprobs(model, tok, text, atol=1e-3):
+    """Refuse to train unless token_logprobs equals log_softmax of the model's own `forward` on
+    `text`, up to `atol`: a family whose `forward` post-processes logits in a way
+    postprocess_logits does not know would otherwise train, silently, on another distribution
+    than the server's. Returns the largest difference."""
+    batch = make_batch([[]], [tok(text).input_ids], pad_id=0)
+    with torch.no_grad():
+        ours = token_logprobs(model, batch)
+        logits = model(input_ids=batch["input_ids"].to(model.device)).logits[:, :-1].float()
+    theirs = logits.cpu().log_softmax(-1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    difference = (ours - theirs).abs().max().item()
+    # written so that NaN fails too
+    if not difference <= atol:
+        raise RuntimeError(
+            f"train.token_logprobs differs from {type(model).__name__}.forward by up to "
+            f"{difference:.3g} (logprob) on a probe: the family {model.config.model_type!r} "
+            f"post-processes its logits in a way train.postprocess_logits does not apply, so "
+            f"training would follow another distribution than the server's. Teach it there."
+        )
+    return difference
+
+
+def full_weights(model, dtype=""):
+    """{name: tensor} for rank 0 to push and save. One process: the model's own parameters, no
+    copy. Under torchrun (every rank calls this at the start and after each optimizer step) each
+    parameter in turn is gathered from the ranks' shards, and only rank 0 keeps it, in the served
+    `dtype` (a name in client.DTYPES; "": as trained): no rank holds the full float32 weights,
+    only one parameter at a time."""
+    if not dist.is_initialized():
+        return {name: p.detach() for name, p in model.named_parameters()}
+    weights = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if dist.get_rank() == 0:
+            weights[name] = full.to(DTYPES.get(dtype, full.dtype))
+    return weights
+
+
+def builtin_model(cfg):
+    """The built-in model: client.tiny_model of --model-size (seeded, nothing downloaded),
+    warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
+    size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
+    base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])
+    return warm_start(base, f"{base}-{cfg.task}-{cfg.warm_start_steps}", cfg)
+
+
+def warm_start(base, path, cfg):
+    """--warm-start-steps supervised steps of 64 prompts on --device (bf16 autocast with --bf16):
+    - addition (and calculator): the answer *format*, "a+b=" -> a number, then end-of-text, with
+      random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums;
+    - sums: worked solutions, right: a model that can already answer, as RL starts from, and
+      whose answers are right in part (on the GPU, about a minute for the 0.5B shape)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model = load_model(base, cfg.device)
+    tok = AutoTokenizer.from_pretrained(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
+    for _ in tqdm(range(cfg.warm_start_steps), desc=f"warm start on {cfg.task}"):
+        rows = TASKS["sums" if cfg.task == "sums" else "addition"][0](64, rng.random())
+        # addition: any sum 0..8
+        answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
+        prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
+        answer_ids = [tok(a).input_ids + [tok.eos_token_id] for a in answers]
+        batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
+            logprobs = token_logprobs(model, batch)
+        loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    save_model(model.cpu(), tok, path)
+    return path
+
+
+# -- data and reward -------------------------------------------------------------------------------
+def addition_data(n, seed, digits=5):
+    """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
+    ]
+
+
+def calculator_data(n, seed):
+    """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
+    rng = random.Random(seed)
+    qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
+    prompt = "What is {}? Call <tool>calc EXPRESSION</tool>, then answer.\n"
+    return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
+
+
+def sums_data(n, seed):
+    """The GPU workload's task: add up 2-16 numbers of 1-2 digits, writing the running total after
+    each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt to
+    prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, 16))]
+        totals = list(itertools.accumulate(terms))
+        steps = [f"{total}+{term}={total + term}" for total, term in zip(totals, terms[1:])]
+        row = {"prompt": "Sum " + " ".join(map(str, terms)) + ":", "answer": str(totals[-1])}
+        # what the reward checks, and what the warm start teaches
+        rows.append(row | {"totals": totals[1:], "solution": " " + " ".join(steps)})
+    return rows
+
+
+def load_data(cfg):
+    """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
+    evaluating), and no training row has one of their prompts."""
+    if not cfg.dataset:
+        data = TASKS[cfg.task][0](100_000, cfg.seed)
+    else:
+        data = read_dataset(cfg.dataset, reward_function(cfg))
+    if not (cfg.eval_every or cfg.eval_only):
+        return data, []
+    held_out = list({r["prompt"]: r for r in data}.values())[: cfg.eval_prompts]
+    prompts = {r["prompt"] for r in held_out}
+    data = [r for r in data if r["prompt"] not in prompts]
+    if not data and not cfg.eval_only:
+        raise ValueError(
+            f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts"
+        )
+    return data, held_out
+
+
+def read_dataset(path, reward_fn):
+    """The rows of a jsonl file, every one checked before anything is generated: a JSON object with
+    a string "prompt" (and "task", if any; a row without one is of the task named after the file)
+    that the reward can score (an empty completion must get a number in [0, 1], so a field the
+    reward reads and the row lacks shows here). Raises ValueError naming the bad lines."""
+    task = os.path.splitext(os.path.basename(path))[0]
+    rows, errors = [], []
+    with open(path) as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        # whatever the row or the reward raises is that line's error
+        try:
+            row = json.loads(line)
+            row.setdefault("task", task)
+            if not isinstance(row["prompt"], str) or not isinstance(row["task"], str):
+                raise ValueError('"prompt" and "task" must be strings')
+            score(reward_fn, "", row)
+            rows.append(row)
+        except Exception as e:
+            errors.append(f"line {number}: {type(e).__name__}: {e}")
+    if errors or not rows:
+        shown = "; ".join(errors[:5]) or "no rows"
+        raise ValueError(f"{path}: {len(errors)} bad lines of {len(lines)}: {shown}")
+    return rows
+
+
+# -- the reward: a function of (completion, row) -> [0, 1] -----------------------------------------
+def reward(completion: str, answer: str) -> float:
+    """The default reward: 1 if the last number in the completion equals the answer, else 0."""
+    return float(distance(completion, answer) == 0)
+
+
+def addition_reward(completion: str, row: dict) -> float:
+    """The built-in task's reward: an answer off by one earns 2/3 and off by two 1/3, a denser
+    signal for the tiny model, which otherwise locks into its first lucky answers."""
+    return max(0.0, 1 - distance(completion, row["answer"]) / 3)
+
+
+def answer_reward(completion: str, row: dict) -> float:
+    return reward(completion, row["answer"])
+
+
+def sums_reward(completion: str, row: dict) -> float:
+    """The sums task's reward: each running total the completion writes ("=19"), in order, scores
+    1 if right and less the further off it is (0 from twice or nothing), one not written 0; the
+    mean over the row's totals. 1 when every step, and so the answer, is right."""
+    written = [int(number) for number in re.findall(r"=(\d+)", completion)]
+    scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
+    return sum(scores) / len(row["totals"])
+
+
+# the built-in tasks (--task): their data, (n, seed) -> rows, and their reward
+TASKS = {
+    "addition": (addition_data, addition_reward),
+    "calculator": (calculator_data, answer_reward),
+    "sums": (sums_data, sums_reward),
+}
+
+
+def distance(completion, answer):
+    """|the last number in the completion - the answer|, inf where there is none."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
+    try:
+        return abs(float(numbers[-1]) - float(answer)) if numbers else math.inf
+    except ValueError:
+        return math.inf
+
+
+def reward_function(cfg):
+    """--reward's function (module:function, importable from here), else the task's own."""
+    if not cfg.reward:
+        return answer_reward if cfg.dataset else TASKS[cfg.task][1]
+    return load_function(cfg.reward, "--reward")
+
+
+def score(reward_fn, completion, row) -> float:
+    """One completion's reward, checked to be a number in [0, 1]."""
+    value = reward_fn(completion, row)
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
+    return float(value)
+
+
+# -- evaluation ------------------------------------------------------------------------------------
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n,
+    k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(client, rows, cfg):
+    """--eval-n samples per held-out row on the server's current weights, at the sampling
+    temperature; a sample passes with a reward of at least --success-threshold. Returns pass@k for
+    k = 1, 2, 4, ... <= n, over all rows and per task (a row's "task"; the built-in data's is
+    --task): {"pass@1": ..., "addition/pass@1": ...}."""
+    n = cfg.eval_n
+    reward_fn = reward_function(cfg)
+    # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
+    greedy = {"temperature": 1.0, "top_k": 1}
+    sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
+    prompts = [r["prompt"] for r in rows]
+    results = requester(client, cfg)(prompts, n=n, max_tokens=cfg.max_tokens, **sampling)
+    ks = [2**i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
+    per_task = {}
+    for row, samples in zip(rows, results, strict=True):
+        if len(samples) != n:
+            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked for {n}")
+        texts = [s.turns[-1]["text"] if isinstance(s, Episode) else s.text for s in samples]
+        correct = sum(score(reward_fn, text, row) >= cfg.success_threshold for text in texts)
+        for task in ("", row.get("task", cfg.task) + "/"):
+            per_task.setdefault(task, []).append(correct)
+    return {
+        f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs)
+        for task, cs in per_task.items()
+        for k in ks
+    }
+
+
 def final_eval(client, held_out, cfg):
     """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out: the results, the model
     and the version of the weights evaluated."""
@@ -1127,20 +1184,7 @@ def start_run(cfg, opt, rng, data):
     return state["step"], state["rows"], history
 
 
-def connect(cfg, urls) -> Client:
-    """A Client for one server URL, a Router for several, checked once: they answer (else one line,
-    at once), and serve the --dtype asked for, if one was."""
-    client = Client(urls[0]) if len(urls) == 1 else Router(urls)
-    try:
-        served = client.health(timeout=5)["dtype"]
-    except (ConnectionError, ServerError) as e:
-        sys.exit(f"error: --server-url: {e}")
-    if cfg.dtype and cfg.dtype != served:
-        sys.exit(f"error: --dtype {cfg.dtype}: the server serves {served} (its --dtype decides)")
-    cfg.dtype = served
-    return client
-
-
+# -- the command line: python train.py, or torchrun ------------------------------------------------
 def main(argv=None):
     cfg = parse_config(argv)
     # torchrun: join the trainers' group (--device cuda: NCCL, each rank on GPU LOCAL_RANK; else
@@ -1178,6 +1222,20 @@ def main(argv=None):
             stop_server(proc)
 
 
+def connect(cfg, urls) -> Client:
+    """A Client for one server URL, a Router for several, checked once: they answer (else one line,
+    at once), and serve the --dtype asked for, if one was."""
+    client = Client(urls[0]) if len(urls) == 1 else Router(urls)
+    try:
+        served = client.health(timeout=5)["dtype"]
+    except (ConnectionError, ServerError) as e:
+        sys.exit(f"error: --server-url: {e}")
+    if cfg.dtype and cfg.dtype != served:
+        sys.exit(f"error: --dtype {cfg.dtype}: the server serves {served} (its --dtype decides)")
+    cfg.dtype = served
+    return client
+
+
 def launch(cfg, k):
     """Server k of --num-servers, on the model; on a GPU machine on GPU k."""
     flags = ["--model", cfg.model, "--dtype", cfg.dtype or "float32", "--seed", str(cfg.seed)]
@@ -1188,24 +1246,6 @@ def launch(cfg, k):
 
 
 # -- torchrun: FSDP2 over several ranks; rank 0 talks to the servers, evaluates and logs -----------
-def make_model(cfg, probe=None):
-    """The policy in float32 on --device, and its optimizer. Under torchrun it is sharded with
-    FSDP2: each decoder layer a unit, gathered just before it runs; the rest (embeddings, final
-    norm, head) the root. `probe`: (tokenizer, text) for check_logprobs (rank 0 checks, before the
-    model is sharded)."""
-    lead("start", cfg)
-    model = load_model(cfg.model, cfg.device)
-    if probe:
-        check_logprobs(model, *probe)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        # transformers checkpoints only in training mode; the models we train have no dropout
-        model.train()
-    if dist.is_initialized():
-        shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-
-
 def lead(*message):
     """Rank 0 under torchrun: have the other ranks (waiting in follow()) do what we do next."""
     if dist.is_initialized() and dist.get_rank() == 0:
@@ -1236,27 +1276,6 @@ def follow():
             return
 
 
-def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
-    """backward() on this rank's share of a micro-batch: whole groups (a group never straddles two
-    ranks; its advantages were computed before the split). Returns the whole micro-batch's
-    completion tokens, which normalise the step, and every rank's importance weights and
-    trainer-minus-server logprobs."""
-    lead("backward", seqs, advantages, version, pad_id, measure_all)
-    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
-    share = slice(rank * len(seqs) // ranks, (rank + 1) * len(seqs) // ranks)
-    _, weights, deltas = backward(
-        model, seqs[share], advantages[share], version, cfg, pad_id, measure_all
-    )
-    if dist.is_initialized():
-        # the statistics of every rank's share
-        shares = [None] * ranks
-        dist.all_gather_object(shares, (weights, deltas))
-        weights = torch.cat([w for w, _ in shares])
-        deltas = torch.cat([d for _, d in shares])
-    return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas
-
-
 def shard(model):
     """Shard the model over the torchrun ranks with FSDP2, on its device (a CPU trainer on a GPU
     machine shards on the CPU)."""
@@ -1265,22 +1284,6 @@ def shard(model):
     for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-
-
-def full_weights(model, dtype=""):
-    """{name: tensor} for rank 0 to push and save. One process: the model's own parameters, no
-    copy. Under torchrun (every rank calls this at the start and after each optimizer step) each
-    parameter in turn is gathered from the ranks' shards, and only rank 0 keeps it, in the served
-    `dtype` (a name in client.DTYPES; "": as trained): no rank holds the full float32 weights,
-    only one parameter at a time."""
-    if not dist.is_initialized():
-        return {name: p.detach() for name, p in model.named_parameters()}
-    weights = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        if dist.get_rank() == 0:
-            weights[name] = full.to(DTYPES.get(dtype, full.dtype))
-    return weights
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def generation(a, model, dtype):
             seconds = []
             for _ in range(1 + a.rounds):
                 start = time.perf_counter()
-                list(router.as_completed(router.generate(prompts, split_prompts=True, **sampling)))
+                list(router.as_completed(router.submit_each(prompts, **sampling)))
                 seconds.append(time.perf_counter() - start)
             tokens_per_s[k] = a.prompts * a.n * a.max_tokens / statistics.median(seconds[1:])
             print(

@@ -86,7 +86,7 @@ def test_train_py_runs_against_a_server_where_vllm_cannot_be_imported(
 # -- your reward, your data ------------------------------------------------------------------------
 def test_sequence_given_no_episode_says_what_is_wrong():
     with pytest.raises(ValueError, match="no episode"):
-        train.sequence({"prompt": "p", "answer": "3"}, None)
+        train.sequence({"prompt": "p", "answer": "3"}, None, train.answer_reward)
 
 
 def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
@@ -96,7 +96,10 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
     episode = Episode(
         [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
     )
-    assert train.sequence({"prompt": "p", "answer": "42"}, episode)["reward"] == 1.0
+    assert (
+        train.sequence({"prompt": "p", "answer": "42"}, episode, train.answer_reward)["reward"]
+        == 1.0
+    )
 
 
 def test_a_reward_of_ones_own_passes_at_the_stated_threshold(server, model_path, tmp_path, rewards):

@@ -441,7 +441,7 @@ def test_split_prompts_beyond_max_pending_submits_none_of_them(strict):
     _, client, _ = strict
     before = client.health()["pending_results"]
     with pytest.raises(ServerError) as full:  # --max-pending 4
-        client.generate([f"part {i}" for i in range(6)], max_tokens=2, split_prompts=True)
+        client.submit_each([f"part {i}" for i in range(6)], max_tokens=2)
     assert full.value.status == 429
     assert client.health()["pending_results"] <= before
 

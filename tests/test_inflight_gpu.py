@@ -56,7 +56,7 @@ def test_each_token_of_an_in_flight_update_is_its_labelled_weights_greedy_choice
         for _ in range(REQUESTS)
     ]
     greedy = dict(n=N, temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True)
-    futures = server.generate(prompts, split_prompts=True, **greedy)
+    futures = server.submit_each(prompts, **greedy)
     wait_for_in_flight(server, seconds=0.3)
     assert server.update_model_params(new, mode="in-flight") == v0 + 1
     results = [f.result()[0] for f in futures]

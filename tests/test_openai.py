@@ -122,7 +122,7 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
     assert sampled == [t for c in calls for t in c["completion_token_ids"]]
     # one GRPO-style step on it: gradient reaches exactly the positions that predict sampled tokens
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    seq = train.sequence({"answer": "3"}, episode)
+    seq = train.sequence({"answer": "3"}, episode, train.answer_reward)
     grad = position_gradients(
         model,
         lambda: train.backward(

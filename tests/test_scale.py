@@ -94,7 +94,7 @@ def test_split_prompts_go_to_the_server_with_the_fewest_pending(router):
     plain, data_parallel = router.clients
     # six prompts pending on the plain server
     waiting = plain.generate(["x"] * 6, max_tokens=2, is_async=True)
-    futures = router.generate([f"{i}+1=" for i in range(8)], n=2, max_tokens=4, split_prompts=True)
+    futures = router.submit_each([f"{i}+1=" for i in range(8)], n=2, max_tokens=4)
     # the other server takes prompts until it has six too; then they alternate
     assert [f.client is plain for f in futures] == [False] * 6 + [True, False]
     done = list(router.as_completed(futures))
