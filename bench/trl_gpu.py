@@ -27,7 +27,8 @@ half its groups, had a zero gradient, or did not log them, no speed-up is printe
 The layouts, each in its own process (a failure is printed, exactly, and the next one runs):
   ours          one server.py on GPU 0 for all of these; train.train in the child:
                 2 GPUs: trainer on cuda:1, weights over NCCL; 1 GPU: trainer on cuda:0, CUDA IPC;
-                each with sync-batch, overlap and overlap --max-staleness 1, and any --ours-variant
+                each with sync-batch, overlap, overlap --max-staleness 1 with drain and with
+                in-flight updates, and any --ours-variant
   trl-server    `trl vllm-serve` (vLLM's own server, NCCL weight transfer) on GPU 0, GRPOTrainer on
                 GPU 1, as TRL's docs lay them out: the server with CUDA_VISIBLE_DEVICES=0, the
                 trainer with CUDA_VISIBLE_DEVICES=1 (to transformers, a process that sees 2 GPUs
@@ -77,6 +78,7 @@ from runs import refuse_hollow  # noqa: E402
 # train.Config overrides per schedule of ours, the likely fastest first (a run cut short by its
 # time limit loses the last); --ours-variant adds more (in-flight updates, ...)
 OURS_VARIANTS = {
+    "in-flight K=1": {"schedule": "overlap", "max_staleness": 1, "update_mode": "in-flight"},
     "overlap K=1": {"schedule": "overlap", "max_staleness": 1},
     "overlap": {"schedule": "overlap"},
     "sync-batch": {"schedule": "sync-batch"},
@@ -84,7 +86,7 @@ OURS_VARIANTS = {
 # the order they run in, the GPUs each child sees (None: all), and seconds each may take at most;
 # `trl vllm-serve` gets CUDA_VISIBLE_DEVICES=0 from its trainer's child (TRL's documented layout)
 LAYOUTS = {
-    "ours": (None, 270),
+    "ours": (None, 330),
     "trl-server": ("1", 170),
     "trl-colocate": ("0", 140),
     "trl-async": ("1", 170),

@@ -1,0 +1,188 @@
+"""The trainer's own speed: one micro-batch's forward and backward, train.py's way against TRL's
+recipe, on the same sequences and weights, alone and (--beside-server) beside an idle server.
+
+    # GPU: Qwen2.5-0.5B's shape, 32 sequences shaped like bench/trl_gpu.py's micro-batches
+    python3 bench/trainer_step.py --device cuda
+    # the same with a server.py on the GPU, idle, as in bench/trl_gpu.py's layout of ours
+    python3 bench/trainer_step.py --device cuda --beside-server
+    # CPU: the tiny model
+    .venv/bin/python bench/trainer_step.py
+
+The sequences: prompts of train.sums_data, each with 8 completions of its worked solution cut to
+0.7-1.3 times its length (one in 20 at --max-tokens, as completions that run to the limit), so
+lengths vary as in the sums workload. The weights: train.py's built-in model of --model-size,
+untrained (the speed does not depend on them). Both sides in fp32 with bf16 autocast on a GPU,
+gradient checkpointing unless --no-checkpointing, the same advantages and the same loss:
+  train.py  train.backward (right-padded sequences; the output layer at the completion tokens
+            only, 2,048 at a time, each chunk recomputed in backward)
+  TRL       GRPOTrainer's recipe, written out: prompts left-padded and completions right-padded,
+            the model's forward with logits_to_keep = the longest completion + 1, log_softmax
+            per sequence, the loss summed over completion tokens
+First the two gradients are compared (more than 5% apart: exit 1). Printed: each side's
+milliseconds per micro-batch, median (min-max) of --rounds after two warm-up rounds, the sides
+alternating; then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster).
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+import train  # noqa: E402
+from client import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model-size", choices=list(SHAPES), help="default: 0.5b on a GPU, else tiny")
+    p.add_argument("--seqs", type=int, default=32, help="sequences per micro-batch (8 per prompt)")
+    p.add_argument("--max-tokens", type=int, default=256, help="the longest completion")
+    p.add_argument("--rounds", type=int, default=8, help="measured rounds per side")
+    p.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
+    p.add_argument("--beside-server", action="store_true", help="a server.py on the model first")
+    return p.parse_args(argv)
+
+
+def sequences(tok, n, max_tokens, seed=0):
+    """(prompts, completions): token ids of n sums-shaped samples, 8 per prompt."""
+    rng = random.Random(seed)
+    prompts, completions = [], []
+    for row in train.sums_data(n // 8, seed):
+        prompt, solution = tok(row["prompt"]).input_ids, tok(row["solution"]).input_ids
+        for _ in range(8):
+            length = round(len(solution) * rng.uniform(0.7, 1.3))
+            length = max_tokens if rng.random() < 0.05 else min(max(length, 4), max_tokens)
+            prompts.append(prompt)
+            completions.append((solution * 4)[:length])
+    return prompts, completions
+
+
+def ours(model, cfg, prompts, completions, advantages, pad_id):
+    seqs = [
+        {
+            "ids": p + c,
+            "mask": [0] * len(p) + [1] * len(c),
+            "logprobs": [None] * len(p) + [-1.0] * len(c),
+            "versions": [0] * len(p + c),
+        }
+        for p, c in zip(prompts, completions)
+    ]
+    train.backward(model, seqs, advantages, 0, cfg, pad_id)
+
+
+def trl_recipe(model, cfg, prompts, completions, advantages, pad_id):
+    P, C = max(map(len, prompts)), max(map(len, completions))
+    rows = [
+        [pad_id] * (P - len(p)) + p + c + [pad_id] * (C - len(c))
+        for p, c in zip(prompts, completions)
+    ]
+    attention = [
+        [0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (C - len(c))
+        for p, c in zip(prompts, completions)
+    ]
+    ids = torch.tensor(rows, device=model.device)
+    attention = torch.tensor(attention, device=model.device)
+    mask = torch.tensor(
+        [[1.0] * len(c) + [0.0] * (C - len(c)) for c in completions], device=model.device
+    )
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
+        logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=C + 1).logits[:, :-1]
+    targets = ids[:, -C:]
+    logprobs = torch.stack(
+        [
+            row.float().log_softmax(-1).gather(-1, t[:, None]).squeeze(-1)
+            for row, t in zip(logits, targets)
+        ]
+    )
+    (-(logprobs * mask * advantages.to(model.device)[:, None]).sum()).backward()
+
+
+def timed_ms(side, *args, device):
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    side(*args)
+    sync()
+    return (time.perf_counter() - start) * 1000
+
+
+def check_same_gradient(model, sides, args, tolerance=0.05):
+    """Exit non-zero unless both sides compute the same gradient (relative to its norm; bf16
+    autocast on a GPU rounds): each must do the work it is timed for."""
+    grads = {}
+    for name, side in sides.items():
+        side(*args)
+        grads[name] = torch.cat(
+            [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        )
+        model.zero_grad(set_to_none=True)
+    ours, theirs = grads.values()
+    gap = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"the two gradients differ by {gap:.1e} of their norm")
+    if not gap < tolerance:
+        sys.exit("the two recipes' gradients differ: they do not compute the same loss")
+
+
+def measure(a, path, size, device):
+    """{side: [ms per micro-batch of each measured round]}, the sides alternating."""
+    tok = AutoTokenizer.from_pretrained(path)
+    model = train.load_model(path, a.device)
+    cfg = train.Config(model=path, device=a.device, bf16=device.type == "cuda")
+    if not a.no_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    prompts, completions = sequences(tok, a.seqs, a.max_tokens)
+    advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(0))
+    lengths = sorted(map(len, completions))
+    print(
+        f"{size} model on {a.device}; {len(prompts)} sequences, completions of "
+        f"{lengths[0]}-{lengths[-1]} tokens, {sum(map(len, prompts)) + sum(lengths)} in all"
+    )
+    sides = {"train.py": ours, "TRL": trl_recipe}
+    args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
+    check_same_gradient(model, sides, args)
+    times = {name: [] for name in sides}
+    for i in range(a.rounds + 2):
+        for name, side in sides.items():
+            ms = timed_ms(side, *args, device=device)
+            model.zero_grad(set_to_none=True)
+            if i >= 2:
+                times[name].append(ms)
+    return times
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    size = a.model_size or ("0.5b" if device.type == "cuda" else "tiny")
+    path = tiny_model(TINY_MODEL_DIR + ("" if size == "tiny" else f"-{size}"), **SHAPES[size])
+    server = None
+    if a.beside_server:
+        flags = ["--model", path]
+        if device.type == "cuda":
+            flags += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"]
+        server, client = launch_server(*flags)
+        client.generate(["Sum 1 2:"], n=8, max_tokens=16)
+        print("a server.py on the model, idle from now on", flush=True)
+    try:
+        times = measure(a, path, size, device)
+    finally:
+        if server:
+            stop_server(server)
+    for name, ms in times.items():
+        print(f"{name:9s} {statistics.median(ms):8.1f} ms ({min(ms):.1f}-{max(ms):.1f})")
+    ratio = statistics.median(times["TRL"]) / statistics.median(times["train.py"])
+    print(f"ours_vs_trl={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
