@@ -14,8 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import train
-from client import launch_server, stop_server
-from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
+from conftest import needs_cuda, needs_two_gpus
 
 
 def random_batch(n, seed):
@@ -282,12 +281,17 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
 
 @pytest.fixture(scope="module")
 def train_py(model_path, tmp_path_factory):
-    """`python train.py` for 3 steps with a server it starts itself, given --server-args: the
-    finished run (subprocess.CompletedProcess) and its --out."""
+    """`python train.py` for 3 steps one step stale, with a server it starts itself, given
+    --server-args: 4 sequences decoded at a time, of up to 300 tokens, so that each push finds the
+    next step's requests in flight longer than --drain-timeout, and their results wait longer than
+    --result-ttl. The finished run (subprocess.CompletedProcess) and its --out."""
     out = tmp_path_factory.mktemp("train-py") / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = ["--model", model_path, "--steps", "3", "--prompts-per-step", "8", "--out", str(out)]
-    flags += ["--server-args", "--max-model-len 300"]
+    flags = ["--model", model_path, "--steps", "3", "--max-staleness", "1", "--out", str(out)]
+    flags += ["--prompts-per-step", "4", "--micro-batches", "2", "--group-size", "4"]
+    flags += ["--max-tokens", "300"]
+    server_args = "--max-model-len 400 --drain-timeout 0.2 --result-ttl 1 --max-num-seqs 4"
+    flags += ["--server-args", server_args]
     run = subprocess.run(
         [sys.executable, os.path.join(root, "train.py"), *flags],
         capture_output=True,
@@ -312,7 +316,7 @@ def test_train_py_runs_end_to_end_and_stops_its_server(train_py):
 def test_train_passes_server_args_to_the_server_it_starts(train_py):
     run, out = train_py
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "max_seq_len=300" in (out / "server0.log").read_text()
+    assert "max_seq_len=400" in (out / "server0.log").read_text()
 
 
 @pytest.mark.gpu
@@ -438,32 +442,13 @@ def test_one_step_of_staleness_is_corrected_and_logged(
 
 
 def test_one_step_stale_runs_keep_staleness_one_and_one_version_per_step_through_long_drains(
-    model_path, tmp_path
+    train_py,
 ):
-    """Each push drains the next step's requests for longer than --drain-timeout (4 sequences
-    decoded at a time, up to 300 tokens each), and their results wait longer than --result-ttl:
-    neither is a lost server."""
-    proc, client = launch_server(
-        "--model",
-        model_path,
-        *("--drain-timeout", "0.2", "--result-ttl", "1", "--max-num-seqs", "4"),
-        *GPU_FLAGS,
-        log_path=tmp_path / "server.log",
-    )
-    cfg = train.Config(
-        model=model_path,
-        steps=3,
-        prompts_per_step=4,
-        micro_batches=2,
-        group_size=4,
-        max_tokens=300,
-        out=str(tmp_path),
-        max_staleness=1,
-    )
-    try:
-        history = train.train(cfg, client)
-    finally:
-        stop_server(proc)
+    """Long drains (a push refused with 503 after --drain-timeout, and pushed again) and results
+    kept past --result-ttl (keep_result) are neither a lost server nor a lost step."""
+    run, out = train_py
+    assert run.returncode == 0, run.stderr[-3000:]
+    history = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [h["version"] for h in history] == [1, 2, 3]
     assert [h["staleness"] for h in history] == [0, 1, 1]
 
