@@ -25,6 +25,7 @@ import json
 import math
 import os
 import queue
+import random
 import re
 import shutil
 import socket
@@ -768,9 +769,14 @@ def load_function(spec, flag):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ports the OS hands out for port 0 (32768 and up on Linux): a
+    weight group's port is bound only once a trainer joins, and a port the OS gives another socket
+    meanwhile (vLLM's own, of a data-parallel server) must not be it."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
 
 
 def launch_server(

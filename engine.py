@@ -243,14 +243,12 @@ class Engine:
                 self.llm.reset_prefix_cache(reset_running_requests=True), timeout
             ):
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")
-            tokens_so_far = await asyncio.wait_for(track_versions(self.llm, version), timeout)
+            await asyncio.wait_for(track_versions(self.llm, version, self.marks), timeout)
         except Exception as e:
             self.fail_for_good(
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             )
         self.version = version
-        for (request_id, i), n in tokens_so_far.items():
-            self.marks.setdefault(request_id, {}).setdefault(i, []).append([version, n])
         async with self.new_version:
             self.new_version.notify_all()
 
@@ -336,18 +334,19 @@ def version_spans(c, version, marks):
     return [[v, start] for start, v in starts.items()]
 
 
-async def track_versions(llm, version):
-    """Once weights `version` are loaded, before generation goes on: vLLM 0.32 labels every token
-    it samples from now on with `version` (version_spans reads the labels). vLLM 0.26 cannot: it
-    returns {(request id, completion index): tokens sampled so far} of the requests paused in
-    flight (none after a drain), read from vLLM's output processor, for the engine to mark where
-    `version` begins."""
+async def track_versions(llm, version, marks):
+    """Once weights `version` are loaded, before generation goes on, label what is sampled from
+    now on: the one place where vLLM 0.26 and 0.32 differ (version_spans reads the labels). vLLM
+    0.32 labels every token it samples with `version`. vLLM 0.26 cannot: we add to `marks`
+    ({request id: {completion index: [[version, tokens before it]]}}) how many tokens each
+    completion paused in flight has (none after a drain), read from vLLM's output processor."""
     if hasattr(llm, "update_weight_version"):
         await llm.update_weight_version(str(version))
-        return {}
+        return
     await outputs_processed(llm)
-    states = llm.output_processor.request_states.values()
-    return {(r.external_req_id, r.request_index): r.detokenizer.num_output_tokens() for r in states}
+    for r in llm.output_processor.request_states.values():
+        spans = marks.setdefault(r.external_req_id, {}).setdefault(r.request_index, [])
+        spans.append([version, r.detokenizer.num_output_tokens()])
 
 
 async def outputs_processed(llm):
