@@ -902,9 +902,6 @@ def save_model(model, tokenizer, path, extra=None, state_dict=None):
     tokenizer.save_pretrained(folder)
     for name, obj in (extra or {}).items():
         torch.save(obj, os.path.join(folder, name))
-    if os.path.isdir(path) and not os.path.islink(path):
-        # a folder where the link goes: saved before links were used
-        shutil.rmtree(path)
     old = os.path.realpath(path) if os.path.islink(path) else None
     link = f"{folder}.link"
     os.symlink(os.path.basename(folder), link)

@@ -138,18 +138,15 @@ def parse_prompts(body, state) -> list:
     if not isinstance(prompts, list) or not prompts:
         raise ApiError("'prompts' must be a non-empty list of strings or of token-id lists")
     for prompt in prompts:
-        if not prompt or not (isinstance(prompt, str) or is_token_ids(prompt, state.vocab_size)):
+        token_ids = isinstance(prompt, list) and all(
+            json_isinstance(t, int) and 0 <= t < state.vocab_size for t in prompt
+        )
+        if not prompt or not (isinstance(prompt, str) or token_ids):
             raise ApiError(
                 f"each prompt must be a non-empty string or a list of token ids "
                 f"in [0, {state.vocab_size}); got {str(prompt)[:80]}"
             )
     return prompts
-
-
-def is_token_ids(value, vocab_size) -> bool:
-    return isinstance(value, list) and all(
-        json_isinstance(t, int) and 0 <= t < vocab_size for t in value
-    )
 
 
 def parse_sampling(body, state, extra=()) -> SamplingParams:

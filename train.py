@@ -20,6 +20,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import math
@@ -213,6 +214,11 @@ def train(cfg: Config, client: Client, data=None):
     # the server samples from exactly our weights
     rollouts = Rollouts(client, cfg, full_weights(model, cfg.dtype), queued_rows)
     os.makedirs(cfg.out, exist_ok=True)
+    # What setup made (the modules of torch and transformers, the model, the data: ~700k objects)
+    # lives as long as the run: out of the cyclic garbage collector's way. A step's samples are
+    # ~10^5 objects, and without this its full passes over everything came every other step,
+    # ~0.4 s each, in the middle of a micro-batch (0.5B model, GPU).
+    gc.freeze()
     t_run = time.time()
     # `with client`: if anything below raises, the requests still generating are aborted
     with (
@@ -228,18 +234,10 @@ def train(cfg: Config, client: Client, data=None):
             if cfg.eval_every and step % cfg.eval_every == 0:
                 # on the weights this step samples; a step that loses the server goes without
                 evaluation = rollouts.unless_lost(evaluate, client, held_out, cfg)
-            # K = --max-staleness steps ahead: s+1..s+K generate on these weights while s trains
-            ahead = min(cfg.max_staleness, cfg.steps - 1 - step)
-            while len(rollouts.queue) <= ahead:
-                rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
             stats = step_gradient(rollouts, model, tok, step - start)
             optimizer_step(model, opt, stats, cfg)
-            # on-policy: step s+1 is submitted now, and the server holds it until our push lands
             sampled_version = rollouts.version
-            if cfg.max_staleness == 0 and step + 1 < cfg.steps:
-                rollouts.queue.append(QueuedStep(rng.sample(data, cfg.prompts_per_step)))
-                # if the server is lost meanwhile, it is reconnected and the next step submits
-                rollouts.unless_lost(rollouts.submit_queued, rollouts.version + 1)
+            rollouts.submit_next(rng, data, step)
             with timed(stats["sync"]):
                 rollouts.unless_lost(rollouts.push, full_weights(model, cfg.dtype))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -313,6 +311,20 @@ class Rollouts:
                 time.sleep(1)
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
+    def submit_next(self, rng, data, step):
+        """When a step is sampled and submitted, decided here alone. Once step s has stepped the
+        optimizer, step s+1+K (K = --max-staleness) is sampled and submitted at once, with the next
+        version as min_version: the server holds it until our push of s's weights lands, and then
+        generates it on them (no round trip between the push and the generation) while steps
+        s+1..s+K train. Every step so samples the weights K pushes older than the ones it trains on;
+        on-policy (K = 0), the very weights. Steps 0..K, queued at the start (start_run), and the
+        steps a lost server held go out with the next step (accumulate_step), on the weights the
+        server holds."""
+        if step + 1 + self.cfg.max_staleness < self.cfg.steps:
+            self.queue.append(QueuedStep(rng.sample(data, self.cfg.prompts_per_step)))
+            # if the server is lost meanwhile, it is reconnected and the next step submits
+            self.unless_lost(self.submit_queued, self.version + 1)
+
     def submit_queued(self, min_version=0):
         """Submit the queued steps not submitted yet: to sample the weights the server holds, or
         with `min_version` those weights, held by the server until our push loads them (no round
@@ -369,6 +381,7 @@ def accumulate_step(rollouts, model, tok, measure_all):
     trainer-minus-server logprobs, and the intervals (time.time()) of generation on the server and
     training here ("sync": the loop's)."""
     cfg = rollouts.cfg
+    # steps 0..K at the start, and the steps a lost server held (Rollouts.submit_next)
     rollouts.submit_queued()
     queued = rollouts.queue[0]
     version = rollouts.version
@@ -626,15 +639,19 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     target's logit minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in
     backward (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
     150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
-    ids = batch["input_ids"].to(model.device)
-    attention = batch["attention"].to(model.device)
+    # On a GPU, PyTorch's attention (cuDNN's, on Hopper) builds a plan for every new shape, ~2 ms
+    # a layer on the CPU, more than its kernels take: padded on the right to a multiple of 64
+    # tokens, a run meets a few shapes, each planned once.
+    pad = (0, -batch["input_ids"].shape[1] % 64 if model.device.type == "cuda" else 0)
+    ids = torch.nn.functional.pad(batch["input_ids"], pad).to(model.device)
+    attention = torch.nn.functional.pad(batch["attention"], pad).to(model.device)
     # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
     # position, the hidden states go through the output layer in chunks below
     hidden = model(
         input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
     ).hidden_states[-1]
     # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
-    keep = batch["mask"].to(model.device).flatten() > 0
+    keep = torch.nn.functional.pad(batch["mask"], pad).to(model.device).flatten() > 0
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
     targets = ids[:, 1:].reshape(-1)[keep]
     head = model.get_output_embeddings()
@@ -651,7 +668,7 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
         out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
     # each kept position's logprob in its place, 0 elsewhere
     logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
-    return logprobs.view(len(ids), -1).cpu()
+    return logprobs.view(len(ids), -1)[:, : batch["mask"].shape[1]].cpu()
 
 
 def postprocess_logits(logits, config):
@@ -1165,11 +1182,14 @@ def start_run(cfg, opt, rng, data):
     """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's,
     or with --resume (the model is loaded from the checkpoint already) the checkpoint's, after
     restoring the optimizer (at --lr) and the sampler's RNG; the metrics of the steps before the
-    checkpoint's. With --max-staleness K, the K steps sampled before the checkpoint are generated
-    anew on its weights, not on the older ones an unbroken run used: they are less stale. Nothing
-    else here draws random numbers: the models have no dropout, and the server samples."""
+    checkpoint's. With --max-staleness K, the steps sampled before the checkpoint (its next and
+    the K after it) are generated anew on its weights, not on the older ones an unbroken run used:
+    they are less stale. Nothing else here draws random numbers: the models have no dropout, and
+    the server samples."""
     if not cfg.resume:
-        return 0, [rng.sample(data, cfg.prompts_per_step)], []
+        # steps 0..K (Rollouts.submit_next)
+        queued = min(cfg.max_staleness, cfg.steps - 1) + 1
+        return 0, [rng.sample(data, cfg.prompts_per_step) for _ in range(queued)], []
     state = torch.load(state_path(cfg.resume), weights_only=True)
     opt.load_state_dict(state["optimizer"])
     # the optimizer's state brings back the learning rate it was saved with: --lr decides
