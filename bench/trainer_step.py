@@ -20,7 +20,9 @@ gradient checkpointing unless --no-checkpointing, the same advantages and the sa
             per sequence, the loss summed over completion tokens
 First the two gradients are compared (more than 5% apart: exit 1). Printed: each side's
 milliseconds per micro-batch, median (min-max) of --rounds after two warm-up rounds, the sides
-alternating; then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster).
+alternating (with --vary, other sequences each round, so that each meets new lengths as a run
+does); then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster). With --profile, one more
+round of each under torch.profiler: CPU and GPU time, kernel launches, the costliest operators.
 """
 
 import argparse
@@ -49,6 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per side")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
     p.add_argument("--beside-server", action="store_true", help="a server.py on the model first")
+    p.add_argument(
+        "--vary", action="store_true", help="new sequences every round, as in a run: new lengths"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="then profile one round of each (torch.profiler)"
+    )
     return p.parse_args(argv)
 
 
@@ -152,12 +160,38 @@ def measure(a, path, size, device):
     check_same_gradient(model, sides, args)
     times = {name: [] for name in sides}
     for i in range(a.rounds + 2):
+        if a.vary:
+            prompts, completions = sequences(tok, a.seqs, a.max_tokens, seed=i + 1)
+            args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
         for name, side in sides.items():
             ms = timed_ms(side, *args, device=device)
             model.zero_grad(set_to_none=True)
             if i >= 2:
                 times[name].append(ms)
+    if a.profile:
+        for name, side in sides.items():
+            profile(name, side, args, device)
     return times
+
+
+def profile(name, side, args, device):
+    """One round of `side` under torch.profiler: its CPU and GPU time, kernel launches, and the
+    operators that took the most CPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
+    with profiler(activities=activities) as prof:
+        timed_ms(side, *args, device=device)
+    args[0].zero_grad(set_to_none=True)
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
+    cpu_ms = sum(e.self_cpu_time_total for e in events) / 1000
+    gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1000
+    print(f"profile {name}: CPU {cpu_ms:.1f} ms, GPU {gpu_ms:.1f} ms, {launches} kernel launches")
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+    for e in top:
+        print(f"  {e.key[:50]:50s} {e.self_cpu_time_total / 1000:7.1f} ms CPU in {e.count} calls")
 
 
 def main(argv=None):
