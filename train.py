@@ -639,19 +639,15 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     target's logit minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in
     backward (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
     150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
-    # On a GPU, PyTorch's attention (cuDNN's, on Hopper) builds a plan for every new shape, ~2 ms
-    # a layer on the CPU, more than its kernels take: padded on the right to a multiple of 64
-    # tokens, a run meets a few shapes, each planned once.
-    pad = (0, -batch["input_ids"].shape[1] % 64 if model.device.type == "cuda" else 0)
-    ids = torch.nn.functional.pad(batch["input_ids"], pad).to(model.device)
-    attention = torch.nn.functional.pad(batch["attention"], pad).to(model.device)
+    ids = batch["input_ids"].to(model.device)
+    attention = batch["attention"].to(model.device)
     # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
     # position, the hidden states go through the output layer in chunks below
     hidden = model(
         input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
     ).hidden_states[-1]
     # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
-    keep = torch.nn.functional.pad(batch["mask"], pad).to(model.device).flatten() > 0
+    keep = batch["mask"].to(model.device).flatten() > 0
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
     targets = ids[:, 1:].reshape(-1)[keep]
     head = model.get_output_embeddings()
@@ -668,7 +664,7 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
         out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
     # each kept position's logprob in its place, 0 elsewhere
     logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
-    return logprobs.view(len(ids), -1)[:, : batch["mask"].shape[1]].cpu()
+    return logprobs.view(len(ids), -1).cpu()
 
 
 def postprocess_logits(logits, config):
@@ -878,6 +874,11 @@ def load_model(path, device="cpu"):
     """The model to train, in float32. transformers' default attention (sdpa) ignores Gemma-2's
     attention logit soft-capping, which vLLM applies: such a model gets eager attention."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    # On a GPU, PyTorch's attention takes cuDNN's kernel where it can (Hopper), which builds a plan
+    # for every new shape, ~2 ms a layer call on the CPU, more than the kernel takes; a run's
+    # micro-batches are each of a new length. Off, as vLLM turns it off in every process that
+    # imports it (TRL's trainer among them): the other kernels need no plan.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
         model.set_attn_implementation("eager")
     return model

@@ -12,7 +12,8 @@ The sequences: prompts of train.sums_data, each with 8 completions of its worked
 0.7-1.3 times its length (one in 20 at --max-tokens, as completions that run to the limit), so
 lengths vary as in the sums workload. The weights: train.py's built-in model of --model-size,
 untrained (the speed does not depend on them). Both sides in fp32 with bf16 autocast on a GPU,
-gradient checkpointing unless --no-checkpointing, the same advantages and the same loss:
+gradient checkpointing unless --no-checkpointing, attention without cuDNN's kernel (train.load_model
+turns it off for the process, as vLLM does in TRL's), the same advantages and the same loss:
   train.py  train.backward (right-padded sequences; the output layer at the completion tokens
             only, 2,048 at a time, each chunk recomputed in backward)
   TRL       GRPOTrainer's recipe, written out: prompts left-padded and completions right-padded,
