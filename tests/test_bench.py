@@ -88,9 +88,17 @@ def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
 def test_the_trainer_step_bench_checks_both_recipes_give_one_gradient_then_times_them():
     command = [sys.executable, os.path.join(ROOT, "bench", "trainer_step.py"), "--seqs", "8"]
     run = subprocess.run(
-        [*command, "--rounds", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT
+        [*command, "--rounds", "1", "--vary", "--profile"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     [gap] = [line for line in run.stdout.splitlines() if line.startswith("the two gradients")]
     assert float(gap.split()[5]) < 1e-4, gap
     assert "ours_vs_trl=" in run.stdout
+    # one profiled round of each recipe, with the operators that took the most CPU time
+    profiles = [line for line in run.stdout.splitlines() if line.startswith("profile ")]
+    assert [line.split(":")[0] for line in profiles] == ["profile train.py", "profile TRL"]
+    assert "aten::mm" in run.stdout
