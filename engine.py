@@ -71,8 +71,6 @@ class Engine:
         # vLLM 0.26: request id -> {completion index: [[version, first token]]} (version_spans)
         self.marks = {}
         self.tokenizer = self.llm.tokenizer
-        # most sequences decoded at once
-        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
 
     @property
     def error(self) -> str | None:

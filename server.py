@@ -249,7 +249,8 @@ async def health(request):
             "gpus": state.gpus,
             "dtype": state.dtype,
             "transport": state.transport,
-            "max_num_seqs": engine.max_num_seqs,
+            # most sequences decoded at once
+            "max_num_seqs": engine.llm.vllm_config.scheduler_config.max_num_seqs,
             "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,

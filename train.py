@@ -313,17 +313,20 @@ class Rollouts:
 
     def submit_next(self, rng, data, step):
         """When a step is sampled and submitted, decided here alone. Once step s has stepped the
-        optimizer, step s+1+K (K = --max-staleness) is sampled and submitted at once, with the next
-        version as min_version: the server holds it until our push of s's weights lands, and then
-        generates it on them (no round trip between the push and the generation) while steps
-        s+1..s+K train. Every step so samples the weights K pushes older than the ones it trains on;
-        on-policy (K = 0), the very weights. Steps 0..K, queued at the start (start_run), and the
-        steps a lost server held go out with the next step (accumulate_step), on the weights the
-        server holds."""
+        optimizer, step s+1+K (K = --max-staleness) is sampled. On-policy (K = 0) it is submitted
+        at once, with the next version as min_version: the server holds it until our push of s's
+        weights lands, and then generates it on them, with no round trip between the push and the
+        generation. With K > 0 it is submitted at the start of the next step (accumulate_step),
+        on the weights that push left, and generates while steps s+1..s+K train: every step so
+        samples the weights K pushes older than the ones it trains on. (Held instead, it would
+        wait through the push's drain of the steps generating then, and the server holds a request
+        for a version at most --result-ttl.) Steps 0..K, queued at the start (start_run), and the
+        steps a lost server held are submitted at the next step too."""
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
             self.queue.append(QueuedStep(rng.sample(data, self.cfg.prompts_per_step)))
-            # if the server is lost meanwhile, it is reconnected and the next step submits
-            self.unless_lost(self.submit_queued, self.version + 1)
+            if self.cfg.max_staleness == 0:
+                # if the server is lost meanwhile, it is reconnected and the next step submits
+                self.unless_lost(self.submit_queued, self.version + 1)
 
     def submit_queued(self, min_version=0):
         """Submit the queued steps not submitted yet: to sample the weights the server holds, or
