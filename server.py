@@ -898,12 +898,16 @@ async def watch_engine(app):
         await asyncio.sleep(1)
     print(f"engine failed: {app[ENGINE].error}; stopping the server", file=sys.stderr, flush=True)
     app[STATE].engine_died = True
-    # its requests can never finish: answer their waiters now (503), rather than keep the server
-    # from exiting until aiohttp's graceful shutdown gives up on them (60 s)
+    # aiohttp's run_app shuts down gracefully on SIGTERM (stop_requests: their waiters get a 503)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def stop_requests(app):
+    """On shutdown (SIGTERM), before aiohttp waits for the handlers still running: end every
+    request, so that the /get_future calls waiting for them answer now (404 as aborted, or 503 with
+    the cause if the engine died), not once aiohttp's graceful shutdown gives up (60 s)."""
     for task, _ in app[STATE].tasks.values():
         task.cancel()
-    # aiohttp's run_app shuts down gracefully on SIGTERM
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def make_app(args, flags) -> web.Application:
@@ -942,10 +946,9 @@ def make_app(args, flags) -> web.Application:
         watcher = asyncio.ensure_future(watch_engine(app))
         yield
         watcher.cancel()
-        for task, _ in state.tasks.values():
-            task.cancel()
         engine.llm.shutdown()
 
+    app.on_shutdown.append(stop_requests)
     app.cleanup_ctx.append(engine_ctx)
     app.add_routes(ROUTES)
     return app

@@ -313,7 +313,9 @@ def test_the_server_takes_its_context_length_from_the_model(short):
 
 def test_training_survives_a_server_restart(short, tmp_path):
     """The server is stopped after two steps and a new one starts on its ports: the trainer
-    reconnects, pushes its weights, and trains all 8 steps."""
+    reconnects, pushes its weights, and trains all 8 steps. A caller waiting for a result when the
+    server stops is answered as the server stops (404: aborted), not when aiohttp's graceful
+    shutdown gives up on it (60 s): the restart is not held up."""
     cfg = train.Config(
         model=short["model"],
         steps=8,
@@ -333,7 +335,15 @@ def test_training_survives_a_server_restart(short, tmp_path):
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
         assert time.monotonic() < deadline and trainer.is_alive()
         time.sleep(0.2)
-    stop_server(short["proc"])  # mid-training
+    # a request held for weights that never come, and a caller long-polling for it
+    held = short["client"].generate(["a"], max_tokens=2, min_version=10**6, is_async=True)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(held.result)
+        time.sleep(0.5)
+        stop_server(short["proc"])  # mid-training
+        with pytest.raises(ServerError, match="aborted") as stopped:
+            waiting.result(timeout=0)
+    assert stopped.value.status == 404
     short["proc"] = short["start"]()
     trainer.join(600)
     assert not trainer.is_alive()
