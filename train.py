@@ -210,10 +210,13 @@ def train(cfg: Config, client: Client, data=None):
     data, held_out = data or load_data(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.model)
     model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
-    start, queued_rows, history = start_run(cfg, opt, rng, data)
+    start, queued_rows, history = start_run(cfg, opt, rng)
+    # steps start..start+K sampled ahead (Rollouts.submit_next); a checkpoint holds them, or fewer
+    # (one of a run that ended, or of a smaller K)
+    while len(queued_rows) <= min(cfg.max_staleness, cfg.steps - 1 - start):
+        queued_rows.append(rng.sample(data, cfg.prompts_per_step))
     # the server samples from exactly our weights
     rollouts = Rollouts(client, cfg, full_weights(model, cfg.dtype), queued_rows)
-    os.makedirs(cfg.out, exist_ok=True)
     # What setup made (the modules of torch and transformers, the model, the data: ~700k objects)
     # lives as long as the run: out of the cyclic garbage collector's way. A step's samples are
     # ~10^5 objects, and without this its full passes over everything came every other step,
@@ -320,7 +323,7 @@ class Rollouts:
         on the weights that push left, and generates while steps s+1..s+K train: every step so
         samples the weights K pushes older than the ones it trains on. (Held instead, it would
         wait through the push's drain of the steps generating then, and the server holds a request
-        for a version at most --result-ttl.) Steps 0..K, queued at the start (start_run), and the
+        for a version at most --result-ttl.) Steps start..start+K, queued by train(), and the
         steps a lost server held are submitted at the next step too."""
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
             self.queue.append(QueuedStep(rng.sample(data, self.cfg.prompts_per_step)))
@@ -388,7 +391,6 @@ def accumulate_step(rollouts, model, tok, measure_all):
     rollouts.submit_queued()
     queued = rollouts.queue[0]
     version = rollouts.version
-    staleness = version - queued.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
     stats = {"tokens": 0, "gen": [], "train": [], "sync": []}
     reward_fn = reward_function(cfg)
@@ -399,7 +401,8 @@ def accumulate_step(rollouts, model, tok, measure_all):
         with timed(stats["train"]):
             # B = prompts * G
             seqs = [sequence(r, x, reward_fn) for r, group in zip(rows, samples) for x in group]
-            check_versions(rollouts, seqs, staleness)
+            # the step was submitted that many pushes ago
+            check_versions(rollouts, seqs, version - queued.version)
             rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
@@ -1182,18 +1185,17 @@ def save_checkpoint(cfg, model, tok, opt, next_step, rng, rollouts):
     save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, rollouts.weights)
 
 
-def start_run(cfg, opt, rng, data):
-    """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's,
-    or with --resume (the model is loaded from the checkpoint already) the checkpoint's, after
-    restoring the optimizer (at --lr) and the sampler's RNG; the metrics of the steps before the
-    checkpoint's. With --max-staleness K, the steps sampled before the checkpoint (its next and
-    the K after it) are generated anew on its weights, not on the older ones an unbroken run used:
-    they are less stale. Nothing else here draws random numbers: the models have no dropout, and
-    the server samples."""
+def start_run(cfg, opt, rng):
+    """(the first step, the rows of the steps already sampled from it on, the metrics so far): a
+    new run's, none (its --out made), or with --resume (the model is loaded from the checkpoint
+    already) the checkpoint's, after restoring the optimizer (at --lr) and the sampler's RNG; the
+    metrics of the steps before the checkpoint's. With --max-staleness K, the steps sampled before
+    the checkpoint (its next and the K after it) are generated anew on its weights, not on the
+    older ones an unbroken run used: they are less stale. Nothing else here draws random numbers:
+    the models have no dropout, and the server samples."""
     if not cfg.resume:
-        # steps 0..K (Rollouts.submit_next)
-        queued = min(cfg.max_staleness, cfg.steps - 1) + 1
-        return 0, [rng.sample(data, cfg.prompts_per_step) for _ in range(queued)], []
+        os.makedirs(cfg.out, exist_ok=True)
+        return 0, [], []
     state = torch.load(state_path(cfg.resume), weights_only=True)
     opt.load_state_dict(state["optimizer"])
     # the optimizer's state brings back the learning rate it was saved with: --lr decides

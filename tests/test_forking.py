@@ -215,6 +215,20 @@ def test_a_resumed_run_takes_its_new_lr_and_its_queued_step_is_fresher(
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [5e-4]
 
 
+def test_a_run_resumed_with_more_staleness_than_its_checkpoint_reaches_it(
+    server, model_path, tmp_path, rewards, restore_weights
+):
+    """An on-policy checkpoint holds one queued step; resumed with --max-staleness 1, the run
+    samples the missing step ahead and trains one step stale from then on."""
+    settings = dict(model=model_path, prompts_per_step=4, micro_batches=2, group_size=4)
+    settings |= dict(max_tokens=6, reward="rewards:letters")
+    run = str(tmp_path / "run")
+    train.train(train.Config(**settings, steps=2, out=run), server)
+    train.train(train.Config(**settings, steps=5, max_staleness=1, resume=run), server)
+    staleness = [json.loads(line)["staleness"] for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert staleness == [0, 0, 0, 1, 1]
+
+
 def test_the_first_step_measures_the_mismatch_on_every_sample_even_when_none_trains(
     server, model_path, tmp_path, rewards, capsys
 ):
