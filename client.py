@@ -213,16 +213,18 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def pack(named, bucket_bytes):
-    """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes."""
+def pack(named, bucket_bytes, dtype=None):
+    """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes.
+    Each tensor is announced in `dtype` (the server's; None: its own), which fill_bucket casts
+    it to as it copies it in."""
     buckets, params, tensors, size = [], [], [], 0
     for name, t in named:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * (dtype or t.dtype).itemsize
         if params and size + nbytes > bucket_bytes:
             buckets.append(({"size": size, "params": params}, tensors))
             params, tensors, size = [], [], 0
-        dtype = str(t.dtype).removeprefix("torch.")
-        params.append({"name": name, "dtype": dtype, "shape": list(t.shape), "offset": size})
+        kind = str(dtype or t.dtype).removeprefix("torch.")
+        params.append({"name": name, "dtype": kind, "shape": list(t.shape), "offset": size})
         tensors.append(t)
         size += math.ceil(nbytes / 16) * 16
     if params:
@@ -231,10 +233,10 @@ def pack(named, bucket_bytes):
 
 
 def fill_bucket(buffer, bucket, tensors):
-    """Copy a bucket's tensors into `buffer` at their announced offsets."""
-    for p, t in zip(bucket["params"], tensors):
-        data = t.reshape(-1).view(torch.uint8)
-        buffer[p["offset"] : p["offset"] + len(data)].copy_(data)
+    """Copy a bucket's tensors into `buffer` at their announced offsets, cast to their announced
+    dtype on the way (one pass over each tensor, no copy of it in the server's dtype)."""
+    for (_, view), t in zip(unpack(buffer, bucket["params"]), tensors):
+        view.copy_(t)
 
 
 def unpack(buffer: torch.Tensor, params):
@@ -512,7 +514,7 @@ class Client(AbortsOnError):
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
         named = self._named_tensors(model)
-        buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20)
+        buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20, self.dtype)
         if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
             buffer = self._send_buffer(0, buckets[0][0]["size"])
             fill_bucket(buffer, *buckets[0])
@@ -556,15 +558,14 @@ class Client(AbortsOnError):
             wait_broadcast(*work, self.weight_sync_timeout)
 
     def _named_tensors(self, model):
-        """[(checkpoint name, tensor)] in the server's dtype; a tied weight (lm_head = embed_tokens)
-        is sent once, under the server's name. The server checks names and shapes before anything is
-        sent."""
+        """[(checkpoint name, tensor)]; a tied weight (lm_head = embed_tokens) is sent once, under
+        the server's name. The server checks names and shapes before anything is sent."""
         items = model.named_parameters() if isinstance(model, torch.nn.Module) else model.items()
         # DDP, compile
         items = [(name.removeprefix("module.").removeprefix("_orig_mod."), t) for name, t in items]
         known = {t.data_ptr() for name, t in items if name in self.spec}
         return [
-            (name, t.detach().to(self.device, self.dtype).contiguous())
+            (name, t.detach())
             for name, t in items
             if name in self.spec or t.data_ptr() not in known
         ]

@@ -642,8 +642,8 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     softmax(postprocess_logits(logits) / temperature): the logits as the family's `forward` makes
     them. The vocabulary-sized logits never exist for the whole
     batch: the hidden states go through the output layer `chunk_tokens` positions at a time (the
-    target's logit minus the logsumexp, fp32 within the chunk), and each chunk is recomputed in
-    backward (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
+    target's log_softmax, fp32 within the chunk), and each chunk is recomputed in backward
+    (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
     150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
     ids = batch["input_ids"].to(model.device)
     attention = batch["attention"].to(model.device)
@@ -661,8 +661,9 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     scale = 1 / temperature if temperature > 0 else 1.0
 
     def chunk_logprobs(h, t):
-        logits = postprocess_logits(head(h).float(), model.config) * scale  # (chunk, V)
-        return logits.gather(1, t[:, None]).squeeze(1) - logits.logsumexp(1)
+        # (chunk, V), in bf16 under autocast: log_softmax reads it and writes fp32 in one pass
+        logits = postprocess_logits(head(h), model.config, scale)
+        return logits.log_softmax(1, dtype=torch.float32).gather(1, t[:, None]).squeeze(1)
 
     out = []
     for i in range(0, len(targets), chunk_tokens):
@@ -673,7 +674,7 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     return logprobs.view(len(ids), -1).cpu()
 
 
-def postprocess_logits(logits, config):
+def postprocess_logits(logits, config, scale=1.0):
     """What a family's `forward` does to the output layer's logits, read from its config. vLLM
     applies the same (its LogitsProcessor's soft_cap and scale), so the trainer must, or it trains
     on another distribution than the one the server samples from:
@@ -681,13 +682,17 @@ def postprocess_logits(logits, config):
     - Granite: logits_scaling s -> logits / s
     - Cohere: logit_scale s -> logits * s
     A family that does anything else (or uses these names otherwise: HyperCLOVAX multiplies by its
-    logits_scaling) is caught before training by check_logprobs, which refuses to train."""
+    logits_scaling) is caught before training by check_logprobs, which refuses to train.
+    `scale`: a factor more (1 / temperature). Returns fp32 logits, or `logits` themselves where
+    there is nothing to apply (most families, at temperature 1): no pass over them."""
     config = config.get_text_config()
     cap = getattr(config, "final_logit_softcapping", None)
+    scale *= (getattr(config, "logit_scale", None) or 1.0) / getattr(config, "logits_scaling", 1.0)
+    if not cap and scale == 1:
+        return logits
     if cap:
-        logits = torch.tanh(logits / cap) * cap
-    scale = (getattr(config, "logit_scale", None) or 1.0) / getattr(config, "logits_scaling", 1.0)
-    return logits * scale
+        logits = torch.tanh(logits.float() / cap) * cap
+    return logits.float() * scale
 
 
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
@@ -709,9 +714,8 @@ def optimizer_step(model, opt, stats, cfg):
     with timed(stats["train"]):
         for p in (p for p in model.parameters() if p.grad is not None):
             p.grad /= max(stats["tokens"], 1) / ranks
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.max_grad_norm
-        ).item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        stats["grad_norm"] = norm.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
