@@ -16,17 +16,22 @@ gradient checkpointing unless --no-checkpointing, attention without cuDNN's kern
 turns it off for the process, as vLLM does in TRL's), the same advantages and the same loss:
   train.py  train.backward (right-padded sequences; the output layer at the completion tokens
             only, 2,048 at a time, each chunk recomputed in backward)
-  TRL       GRPOTrainer's recipe, written out: prompts left-padded and completions right-padded,
-            the model's forward with logits_to_keep = the longest completion + 1, log_softmax
-            per sequence, the loss summed over completion tokens
+  TRL       GRPOTrainer's recipe before TRL 1.16, written out: prompts left-padded and
+            completions right-padded, the model's forward with logits_to_keep = the longest
+            completion + 1, log_softmax per sequence, the loss summed over completion tokens
+  TRL's own where trl is installed (bench/requirements-trl.txt; 1.16.0 is what bench/trl_gpu.py
+            runs): the same batch through trl's own fused output layer (add_fused_lm_head, a
+            Triton kernel on GPUs), as GRPOTrainer computes its loss
 First the two gradients are compared (more than 5% apart: exit 1). Printed: each side's
 milliseconds per micro-batch, median (min-max) of --rounds after two warm-up rounds, the sides
 alternating (with --vary, other sequences each round, so that each meets new lengths as a run
-does); then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster). With --profile, one more
-round of each under torch.profiler: CPU and GPU time, kernel launches, the costliest operators.
+does); then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster), and `ours_vs_trl_own=`
+against TRL's own. With --profile, one more round of each under torch.profiler: CPU and GPU time,
+kernel launches, the costliest operators.
 """
 
 import argparse
+import importlib.util
 import os
 import random
 import statistics
@@ -88,7 +93,9 @@ def ours(model, cfg, prompts, completions, advantages, pad_id):
     train.backward(model, seqs, advantages, 0, cfg, pad_id)
 
 
-def trl_recipe(model, cfg, prompts, completions, advantages, pad_id):
+def trl_batch(model, prompts, completions, pad_id):
+    """GRPOTrainer's layout: prompts left-padded, completions right-padded; (ids, attention,
+    completion mask, longest completion)."""
     P, C = max(map(len, prompts)), max(map(len, completions))
     rows = [
         [pad_id] * (P - len(p)) + p + c + [pad_id] * (C - len(c))
@@ -103,6 +110,11 @@ def trl_recipe(model, cfg, prompts, completions, advantages, pad_id):
     mask = torch.tensor(
         [[1.0] * len(c) + [0.0] * (C - len(c)) for c in completions], device=model.device
     )
+    return ids, attention, mask, C
+
+
+def trl_recipe(model, cfg, prompts, completions, advantages, pad_id):
+    ids, attention, mask, C = trl_batch(model, prompts, completions, pad_id)
     with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
         logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=C + 1).logits[:, :-1]
     targets = ids[:, -C:]
@@ -112,6 +124,19 @@ def trl_recipe(model, cfg, prompts, completions, advantages, pad_id):
             for row, t in zip(logits, targets)
         ]
     )
+    (-(logprobs * mask * advantages.to(model.device)[:, None]).sum()).backward()
+
+
+def trl_own(model, cfg, prompts, completions, advantages, pad_id):
+    """GRPOTrainer's own forward (TRL >= 1.16): the model patched by trl's add_fused_lm_head, whose
+    output layer and log_softmax run in tiles of a Triton kernel on a GPU, called as
+    GRPOTrainer._compute_loss calls it (with the entropy it logs)."""
+    ids, attention, mask, C = trl_batch(model, prompts, completions, pad_id)
+    labels = ids.masked_fill(attention == 0, -100)
+    labels[:, :-C] = -100
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
+        out = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+    logprobs = out.log_probs[:, -C:]
     (-(logprobs * mask * advantages.to(model.device)[:, None]).sum()).backward()
 
 
@@ -125,8 +150,8 @@ def timed_ms(side, *args, device):
 
 
 def check_same_gradient(model, sides, args, tolerance=0.05):
-    """Exit non-zero unless both sides compute the same gradient (relative to its norm; bf16
-    autocast on a GPU rounds): each must do the work it is timed for."""
+    """Exit non-zero unless every side computes the gradient train.py's does (relative to its
+    norm; bf16 autocast on a GPU rounds): each must do the work it is timed for."""
     grads = {}
     for name, side in sides.items():
         side(*args)
@@ -134,11 +159,13 @@ def check_same_gradient(model, sides, args, tolerance=0.05):
             [p.grad.flatten() for p in model.parameters() if p.grad is not None]
         )
         model.zero_grad(set_to_none=True)
-    ours, theirs = grads.values()
-    gap = ((ours - theirs).norm() / theirs.norm()).item()
-    print(f"the two gradients differ by {gap:.1e} of their norm")
-    if not gap < tolerance:
-        sys.exit("the two recipes' gradients differ: they do not compute the same loss")
+    ours, *others = grads.values()
+    for name, theirs in zip(list(sides)[1:], others):
+        gap = ((ours - theirs).norm() / theirs.norm()).item()
+        label = "the two gradients" if name == "TRL" else f"the gradients of train.py and {name}"
+        print(f"{label} differ by {gap:.1e} of their norm")
+        if not gap < tolerance:
+            sys.exit(f"the gradients of train.py and {name} differ: not the same loss")
 
 
 def measure(a, path, size, device):
@@ -157,6 +184,12 @@ def measure(a, path, size, device):
         f"{lengths[0]}-{lengths[-1]} tokens, {sum(map(len, prompts)) + sum(lengths)} in all"
     )
     sides = {"train.py": ours, "TRL": trl_recipe}
+    if importlib.util.find_spec("trl"):
+        from trl.trainer.utils import add_fused_lm_head
+
+        # only calls with fused_lm_head=True take the patched path: the other sides are unchanged
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        sides["TRL's own"] = trl_own
     args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
     check_same_gradient(model, sides, args)
     times = {name: [] for name in sides}
@@ -217,6 +250,9 @@ def main(argv=None):
         print(f"{name:9s} {statistics.median(ms):8.1f} ms ({min(ms):.1f}-{max(ms):.1f})")
     ratio = statistics.median(times["TRL"]) / statistics.median(times["train.py"])
     print(f"ours_vs_trl={ratio:.3f}")
+    if "TRL's own" in times:
+        ratio = statistics.median(times["TRL's own"]) / statistics.median(times["train.py"])
+        print(f"ours_vs_trl_own={ratio:.3f}")
 
 
 if __name__ == "__main__":
