@@ -73,7 +73,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from runs import refuse_hollow  # noqa: E402
+from runs import refuse_hollow, spread  # noqa: E402
 
 # train.Config overrides per schedule of ours, the likely fastest first (a run cut short by its
 # time limit loses the last); --ours-variant adds more (in-flight updates, ...)
@@ -94,6 +94,8 @@ LAYOUTS = {
 }
 # what each run logs per step to show that it trained (train.py's names, TRL's too)
 TRAINED = ("frac_reward_zero_std", "grad_norm")
+# TRL's mean completion length per step: its steps' completion tokens, to set beside ours
+LENGTH = ("completions/mean_length",)
 # a stopped layout's processes get this long to write their stacks before they are killed
 DUMP_GRACE_S = 5.0
 
@@ -329,6 +331,8 @@ def emit_ours(a, cfg, layout, name, history):
         step_s=[h["step_s"] for h in history],
         parts=parts,
         trained=[{k: h[k] for k in TRAINED} for h in history],
+        work_s=[h["train_s"] for h in history],
+        tokens=[h["tokens"] for h in history],
         setup=f"train.py schedule={cfg.schedule} max_staleness={cfg.max_staleness} "
         f"N={cfg.micro_batches}, trainer on {cfg.device}, weights over {transport}, "
         f"server.py on {'the CPU' if cfg.device == 'cpu' else 'GPU 0'}",
@@ -381,7 +385,7 @@ def step_timer(totals):
         def on_log(self, args, state, control, logs=None, **kwargs):
             # a step's log comes after its on_step_end
             if self.steps and any(k in (logs or {}) for k in TRAINED):
-                self.steps[-1].update({k: logs[k] for k in TRAINED if k in logs})
+                self.steps[-1].update({k: logs[k] for k in TRAINED + LENGTH if k in logs})
 
     return StepTimer()
 
@@ -460,6 +464,7 @@ def emit_trl(a, layout, name, steps, setup, parts=None):
     if parts is None and rows and "gen" in rows[0]:
         parts = {k: statistics.median(s[k] for s in rows) for k in ("gen", "sync")}
         parts["rest"] = statistics.median(s["step"] - s["gen"] - s["sync"] for s in rows)
+    samples = a.prompts_per_step * a.group_size
     emit(
         "RESULT",
         side="TRL",
@@ -468,6 +473,9 @@ def emit_trl(a, layout, name, steps, setup, parts=None):
         step_s=[s["step"] for s in steps],
         parts=parts or {},
         trained=[{k: s[k] for k in TRAINED if k in s} for s in steps],
+        # outside generation and weight sync, where TRL times them (not the async trainer)
+        work_s=[s["step"] - s["gen"] - s["sync"] for s in steps if "gen" in s],
+        tokens=[s[LENGTH[0]] * samples for s in steps if LENGTH[0] in s],
         setup=setup,
     )
 
@@ -780,6 +788,7 @@ def summarize(a, results):
             f"{samples / r['s']:9.1f}  {parts}"
         )
     refuse_untrained(a, results)
+    training_speed(a, results)
     trl = [r for r in results if r["side"] == "TRL"]
     ours = [r for r in results if r["side"] == "ours"]
     for r in ours:
@@ -794,6 +803,33 @@ def summarize(a, results):
     print("setups:")
     for r in results:
         print(f"  {r['side']} {r['layout']} {r['name']}: {r['setup']}")
+
+
+def training_speed(a, results):
+    """Each run's seconds of training per step (ours: train_s; TRL: the step outside its vLLM
+    generate and weight-sync calls) and per 1,000 completion tokens, medians after the warm-up:
+    the two sides' completions differ in length, so their steps hold different work. Then the
+    goal: our training per step (sync-batch, the GPU not shared with generation) at most TRL
+    colocate's time outside generation."""
+    print("training per step after the warm-up (median, min-max), and per 1k completion tokens:")
+    for r in results:
+        work, tokens = r.get("work_s", [])[a.warmup :], r.get("tokens", [])[a.warmup :]
+        if len(work) != len(tokens) or not work:
+            continue
+        per_k = [1000 * w / t for w, t in zip(work, tokens)]
+        r["work_per_k"] = statistics.median(per_k)
+        print(
+            f"  {r['side']} {r['layout']} {r['name']}: {spread(work)} s, {spread(per_k)} s "
+            f"per 1k tokens ({statistics.median(tokens):.0f} tokens a step)"
+        )
+    ours = next((r for r in results if r["name"] == "sync-batch" and "work_per_k" in r), None)
+    trl = next((r for r in results if r["name"] == "TRL colocate" and "work_per_k" in r), None)
+    if ours and trl:
+        print(
+            f"goal: our training (sync-batch) <= TRL colocate's time outside generation, per 1k "
+            f"tokens: {ours['work_per_k']:.3f} s against {trl['work_per_k']:.3f} s "
+            f"({trl['work_per_k'] / ours['work_per_k']:.2f}x)"
+        )
 
 
 def refuse_untrained(a, results):

@@ -73,6 +73,9 @@ def test_the_trl_bench_shows_that_ours_trained(server, tmp_path, restore_weights
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ours CPU sync-batch: frac_reward_zero_std=" in run.stdout
     assert "speed-up of ours CPU sync-batch" in run.stdout
+    # its training per step, and per 1k completion tokens (the sides' completions differ in length)
+    [speed] = [x for x in run.stdout.splitlines() if " s per 1k tokens (" in x]
+    assert speed.startswith("  ours CPU sync-batch: ") and " tokens a step)" in speed, speed
 
 
 def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
