@@ -798,10 +798,9 @@ def open_session(state, session_id, reserve):
 def expire_sessions(state):
     """Drop the sessions unused for --result-ttl s, or begun --max-session-age s ago."""
     flags = state.flags
-    now = time.monotonic()
     for session_id, s in list(state.sessions.items()):
         expires = min(s["used"] + flags.result_ttl, s["started"] + flags.max_session_age)
-        if expires < now:
+        if expires < time.monotonic():
             del state.sessions[session_id]
 
 

@@ -1228,6 +1228,9 @@ def main(argv=None):
     # without --model, --eval-only --server-url evaluates the weights that server holds
     if not cfg.model and not (cfg.eval_only and cfg.server_url):
         cfg.model = builtin_model(cfg)
+        # what a warm start on the GPU left in PyTorch's cache, back to the GPU: vLLM refuses to
+        # start a server there with less free memory than its --gpu-memory-utilization share
+        torch.cuda.empty_cache()
     print(json.dumps(asdict(cfg)))
     # before any server starts: a run is never overwritten, and every row of the data is checked
     if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
