@@ -255,7 +255,9 @@ reference = train.load_model({model!r}).state_dict()
 equal = all(torch.equal(t, reference[n].to(torch.bfloat16)) for n, t in weights.items())
 dtypes = sorted({{str(t.dtype) for t in weights.values()}})
 held = {{"rank": dist.get_rank(), "names": sorted(weights), "dtypes": dtypes, "equal": equal}}
-print(json.dumps(held))
+# one write of the whole line: the two ranks share stdout, and print's text and newline go apart
+sys.stdout.write(json.dumps(held) + "\\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 
