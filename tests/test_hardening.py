@@ -313,12 +313,14 @@ def test_the_server_takes_its_context_length_from_the_model(short):
 
 def test_training_survives_a_server_restart(short, tmp_path):
     """The server is stopped after two steps and a new one starts on its ports: the trainer
-    reconnects, pushes its weights, and trains all 8 steps. A caller waiting for a result when the
+    reconnects, pushes its weights, and trains all 30 steps. A caller waiting for a result when the
     server stops is answered as the server stops (404: aborted), not when aiohttp's graceful
-    shutdown gives up on it (60 s): the restart is not held up."""
+    shutdown gives up on it (60 s): the restart is not held up. (A step takes ~0.1 s: with 8
+    steps the trainer was once at its last push when the server stopped, and no step sampled the
+    new server.)"""
     cfg = train.Config(
         model=short["model"],
-        steps=8,
+        steps=30,
         prompts_per_step=8,
         micro_batches=2,
         group_size=4,
@@ -348,7 +350,7 @@ def test_training_survives_a_server_restart(short, tmp_path):
     trainer.join(600)
     assert not trainer.is_alive()
     versions = [h["version"] for h in out["history"]]
-    assert len(versions) == 8
+    assert len(versions) == 30
     # a new server, and training went on
     assert any(b < a for a, b in zip(versions, versions[1:])), versions
 
