@@ -888,8 +888,7 @@ def tiny_model(
     )
     config.update(overrides)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
-    save_model(model, tokenizer, path)
+    save_model(Qwen2ForCausalLM(config).to(DTYPES[dtype]), tokenizer, path)
     return path
 
 

@@ -937,7 +937,11 @@ def builtin_model(cfg):
     warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
     size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
     base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])
-    return warm_start(base, f"{base}-{cfg.task}-{cfg.warm_start_steps}", cfg)
+    path = warm_start(base, f"{base}-{cfg.task}-{cfg.warm_start_steps}", cfg)
+    # what a warm start on the GPU left in PyTorch's cache, back to the GPU: a server is started
+    # there next, and vLLM refuses to start with less free memory than its share
+    torch.cuda.empty_cache()
+    return path
 
 
 def warm_start(base, path, cfg):
@@ -1228,9 +1232,6 @@ def main(argv=None):
     # without --model, --eval-only --server-url evaluates the weights that server holds
     if not cfg.model and not (cfg.eval_only and cfg.server_url):
         cfg.model = builtin_model(cfg)
-        # what a warm start on the GPU left in PyTorch's cache, back to the GPU: vLLM refuses to
-        # start a server there with less free memory than its --gpu-memory-utilization share
-        torch.cuda.empty_cache()
     print(json.dumps(asdict(cfg)))
     # before any server starts: a run is never overwritten, and every row of the data is checked
     if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):

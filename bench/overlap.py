@@ -164,8 +164,6 @@ def main():
     model = train.builtin_model(
         train.Config(**workload, **trainer, warm_start_steps=args.warm_start_steps)
     )
-    # a warm start here leaves its GPU memory in PyTorch's cache: back to the GPU, for the server
-    torch.cuda.empty_cache()
     print(
         f"device {args.device}"
         + (f" ({torch.cuda.get_device_name(args.device)})" if gpu else "")

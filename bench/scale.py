@@ -47,7 +47,6 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
 from runs import refuse_hollow, spread  # noqa: E402
 
 import train  # noqa: E402
@@ -89,10 +88,7 @@ def model_for(a):
     gpu = a.device == "cuda"
     cfg = train.Config(task="sums", model_size=a.model_size, device=a.device, bf16=gpu)
     cfg.warm_start_steps = a.warm_start_steps
-    path = train.builtin_model(cfg)
-    # a warm start here leaves its GPU memory in PyTorch's cache: back to the GPU, for the servers
-    torch.cuda.empty_cache()
-    return path, "bfloat16" if gpu else "float32"
+    return train.builtin_model(cfg), "bfloat16" if gpu else "float32"
 
 
 def training(a, model, dtype, ranks):

@@ -184,11 +184,7 @@ def build_model(a):
     gpu = torch.cuda.is_available()
     cfg = train.Config(task="sums", model_size=a.model_size, device="cuda" if gpu else "cpu")
     cfg.bf16, cfg.warm_start_steps = gpu, a.warm_start_steps
-    path = train.builtin_model(cfg)
-    # a warm start here leaves its GPU memory in PyTorch's cache: back to the GPU, for the engines
-    # the layouts start (vLLM refuses to start with less free memory than its share)
-    torch.cuda.empty_cache()
-    return path
+    return train.builtin_model(cfg)
 
 
 def build_data(a, rows=2000):
