@@ -21,6 +21,7 @@ import collections
 import contextlib
 import functools
 import gc
+import importlib.util
 import itertools
 import json
 import math
@@ -63,6 +64,7 @@ from client import (
     stop_server,
     tiny_model,
 )
+from plot import RunLog
 
 
 def flag(default, help, choices=None, at_least=None):
@@ -102,7 +104,13 @@ class Config:
       and is_weight_* cover every sampled token of the step, on every rank; other steps measure
       the tokens trained on.
     --eval-*: held-out prompts, taken from the data and never trained on, scored with the task's
-      reward: pass@k for k = 1, 2, 4, ... <= --eval-n."""
+      reward, every sample saved to eval_samples.jsonl: pass@k (unbiased, from --eval-n samples)
+      and maj@k (the most common final answer of the first k samples is right: majority_correct)
+      for each k of --pass-k, over all prompts and per task, sampled with --seed.
+    --wandb PROJECT: the metrics to Weights & Biases too (offline unless WANDB_MODE says otherwise),
+      where wandb is installed; TensorBoard's events are written to --out always.
+    Sampling is at --temperature only: with top_p or top_k, vLLM's logprobs are renormalised over
+    the truncated support, so the importance ratio and mismatch_* would be biased there."""
 
     # model, data, and where things run
     model: str = flag("", "HF folder or hub id (default: the built-in model, warm-started)")
@@ -149,8 +157,13 @@ class Config:
     # evaluation
     eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
     eval_every: int = flag(0, "evaluate every K steps and at the end (0: never)", at_least=0)
-    eval_prompts: int = flag(8, "held-out prompts, never trained on", at_least=1)
-    eval_n: int = flag(8, "samples per held-out prompt: pass@k, k = 1, 2, 4, ... <= n", at_least=1)
+    eval_prompts: int = flag(
+        0, "held-out prompts (0: 8; --eval-only: all of --dataset)", at_least=0
+    )
+    eval_n: int = flag(8, "samples per held-out prompt", at_least=1)
+    pass_k: str = flag("", "k of pass@k and maj@k: 1,4,10 (default: 1, 2, 4, ... <= --eval-n)")
+    # logging
+    wandb: str = flag("", "W&B project to log to as well (needs wandb installed)")
 
     def __post_init__(self):
         for f in fields(self):
@@ -174,6 +187,12 @@ class Config:
             raise ValueError(f"--resume {self.resume}: no {state_path(self.resume)}")
         if model_error(self.model):
             raise ValueError(model_error(self.model))
+        if self.pass_k and not re.fullmatch(r"\d+(,\d+)*", self.pass_k):
+            raise ValueError(f"--pass-k {self.pass_k}: a list of k, like 1,4,10")
+        if not all(1 <= k <= self.eval_n for k in pass_ks(self)):
+            raise ValueError(f"--pass-k {self.pass_k}: each k from 1 to --eval-n ({self.eval_n})")
+        if self.wandb and not importlib.util.find_spec("wandb"):
+            raise ValueError("--wandb: wandb is not installed (pip install wandb)")
         if self.server_url and self.server_args:
             raise ValueError("--server-args is for a server train.py starts")
         # under torchrun, rank r takes GPU r
@@ -223,14 +242,13 @@ def train(cfg: Config, client: Client, data=None):
     # ~0.4 s each, in the middle of a micro-batch (0.5B model, GPU).
     gc.freeze()
     t_run = time.time()
-    # `with client`: if anything below raises, the requests still generating are aborted
+    # metrics, TensorBoard, plot.png (drawn too when the run stops: error, Ctrl-C); with `client`
+    # an error aborts the requests generating; a bar where stderr is a terminal, else lines
     with (
+        RunLog(cfg, history) as run_log,
         client,
-        open(os.path.join(cfg.out, "metrics.jsonl"), "w") as log,
-        tqdm(range(start, cfg.steps), desc="GRPO") as bar,
+        tqdm(range(start, cfg.steps), desc="GRPO", disable=None) as bar,
     ):
-        # a resumed run's metrics so far: the steps before its checkpoint
-        log.writelines(json.dumps(row) + "\n" for row in history)
         for step in bar:
             t_step = time.time()
             evaluation = None
@@ -246,12 +264,13 @@ def train(cfg: Config, client: Client, data=None):
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, model, tok, opt, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
-            history.append(row)
             warn_mismatch(row, cfg)
-            print(json.dumps(row), file=log, flush=True)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", step_s=f"{row['step_s']:.2f}")
+            run_log.log(row)
+            show_progress(bar, row)
+        if cfg.eval_every:
+            run_log.log_eval(cfg.steps, final_eval(client, held_out, cfg))
     save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rollouts)
-    finish_run(cfg, rollouts.client, held_out, history)
+    finish_run(cfg, rollouts.client, history)
     return history
 
 
@@ -392,7 +411,8 @@ def accumulate_step(rollouts, model, tok, measure_all):
     queued = rollouts.queue[0]
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
-    stats = {"tokens": 0, "gen": [], "train": [], "sync": []}
+    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": []}
+    stats = {"tokens": 0, "loss": 0.0, "gen": [], "train": [], "sync": []}
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
     for rows, samples, times in collect(rollouts.client, queued.rows, queued.requests, cfg):
@@ -406,16 +426,23 @@ def accumulate_step(rollouts, model, tok, measure_all):
             rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
-            tokens, is_weights, deltas = backward_share(
+            tokens, is_weights, deltas, loss = backward_share(
                 model, cfg, seqs, advantages, version, tok.pad_token_id, measure_all
             )
             stats["tokens"] += tokens
+            stats["loss"] += loss
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
             tensors["staleness"].append(torch.tensor(lags))
             tensors["rewards"].append(rewards.flatten())
             tensors["is_weights"].append(is_weights)
             tensors["logprob_deltas"].append(deltas)
+            # per sample: the tokens it sampled, and whether --max-tokens cut it
+            tensors["lengths"].append(torch.tensor([sum(x["mask"]) for x in seqs]))
+            tensors["truncated"].append(torch.tensor([x["truncated"] for x in seqs]).float())
+            # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
+            sampled = [lp for x in seqs for lp, m in zip(x["logprobs"], x["mask"]) if m]
+            tensors["sampled_logprobs"].append(torch.tensor(sampled))
     return stats | {key: torch.cat(values) for key, values in tensors.items()}
 
 
@@ -515,6 +542,7 @@ def sequence(row, sample, reward_fn):
             "logprobs": sample.logprobs,
             "reward": score(reward_fn, sample.turns[-1]["text"], row),
             "versions": per_token(spans, 0, len(sample.token_ids)),
+            "truncated": sample.finish_reason == "length",
         }
     prompt = sample.prompt_token_ids
     return {
@@ -523,6 +551,7 @@ def sequence(row, sample, reward_fn):
         "logprobs": [None] * len(prompt) + sample.logprobs,
         "reward": score(reward_fn, sample.text, row),
         "versions": per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
+        "truncated": sample.finish_reason == "length",
     }
 
 
@@ -546,31 +575,32 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
 def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
     """backward() of a micro-batch: in one process, of all of it. Under torchrun, of this rank's
     share: whole groups (a group never straddles two ranks; its advantages were computed before
-    the split). Returns the whole micro-batch's completion tokens, which normalise the step, and
-    every rank's importance weights and trainer-minus-server logprobs."""
+    the split). Returns the whole micro-batch's completion tokens, which normalise the step, every
+    rank's importance weights and trainer-minus-server logprobs, and the summed loss."""
     if not dist.is_initialized():
         return backward(model, seqs, advantages, version, cfg, pad_id, measure_all)
     lead("backward", seqs, advantages, version, pad_id, measure_all)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
     share = slice(rank * len(seqs) // ranks, (rank + 1) * len(seqs) // ranks)
-    _, weights, deltas = backward(
+    _, weights, deltas, loss = backward(
         model, seqs[share], advantages[share], version, cfg, pad_id, measure_all
     )
     # the statistics of every rank's share
     shares = [None] * ranks
-    dist.all_gather_object(shares, (weights, deltas))
-    weights = torch.cat([w for w, _ in shares])
-    deltas = torch.cat([d for _, d in shares])
-    return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas
+    dist.all_gather_object(shares, (weights, deltas, loss))
+    weights = torch.cat([w for w, _, _ in shares])
+    deltas = torch.cat([d for _, d, _ in shares])
+    loss = sum(loss for _, _, loss in shares)
+    return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas, loss
 
 
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
     """Accumulate the policy gradient of `seqs` (advantages (B,)) on our weights `version`,
     --train-micro-batch sequences per forward/backward: any split gives the same summed gradient.
-    Returns the number of completion tokens, the stale tokens' importance weights, and trainer
-    minus server logprob of each sampled token from the current weights (for mismatch_metrics):
-    of the samples trained on, or with `measure_all` of every sample."""
+    Returns the number of completion tokens, the stale tokens' importance weights, trainer minus
+    server logprob of each sampled token from the current weights (for mismatch_metrics): of the
+    samples trained on, or with `measure_all` of every sample; and the summed loss."""
     # every completion token counts in the step's divisor: the skipped samples' below too
     tokens = sum(sum(seq["mask"][1:]) for seq in seqs)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
@@ -580,6 +610,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
     # FSDP's gathers being collective)
     trained = (advantages != 0) | dist.is_initialized()
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
+    loss = 0.0
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
@@ -590,18 +621,19 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
         size = cfg.train_micro_batch or max(len(part), 1)
         for i in range(0, len(part), size):
             chunk = slice(i, i + size)
-            w, d = chunk_backward(
+            w, d, chunk_loss = chunk_backward(
                 model, part[chunk], advantages[index][chunk], version, cfg, pad_id, grad
             )
             weights.append(w)
             deltas.append(d)
-    return tokens, torch.cat(weights), torch.cat(deltas)
+            loss += chunk_loss
+    return tokens, torch.cat(weights), torch.cat(deltas), loss
 
 
 def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
-    whole step is in). Returns the stale tokens' importance weights and the trainer minus server
-    logprobs of the tokens the current weights sampled."""
+    whole step is in). Returns the stale tokens' importance weights, the trainer minus server
+    logprobs of the tokens the current weights sampled, and the loss."""
     column = {key: [seq[key] for seq in seqs] for key in ("ids", "mask", "logprobs")}
     batch = make_batch([[]] * len(seqs), column["ids"], pad_id, column["mask"], column["logprobs"])
     versions = [torch.tensor(x["versions"]) for x in seqs]
@@ -614,7 +646,7 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap)
     if grad:
         loss.backward()
-    return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled]
+    return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled], loss.item()
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -720,7 +752,7 @@ def optimizer_step(model, opt, stats, cfg):
         opt.zero_grad(set_to_none=True)
 
 
-# -- after each step: metrics, and the plot of a run -----------------------------------------------
+# -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
 def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
     (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
@@ -733,10 +765,18 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     groups = rewards.view(-1, cfg.group_size)
     # no stale samples: weight 1, none clipped
     w = stats["is_weights"] if len(stats["is_weights"]) else torch.ones(1)
+    lengths = stats["lengths"].float()
     row = {
         "step": step,
         "reward": rewards.mean().item(),
         "accuracy": (rewards >= cfg.success_threshold).float().mean().item(),
+        # what the gradient is of: the summed loss over the step's completion tokens
+        "loss": stats["loss"] / max(stats["tokens"], 1),
+        # of the sampled tokens, estimated by them: mean -log p
+        "entropy": -stats["sampled_logprobs"].mean().item(),
+        "completion_length": lengths.mean().item(),
+        "completion_length_max": int(lengths.max()),
+        "truncated": stats["truncated"].mean().item(),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
@@ -798,67 +838,23 @@ def warn_mismatch(row, cfg):
         )
 
 
-def finish_run(cfg, client, held_out, history):
-    """After the last step: evaluate the final weights (with --eval-every), plot the run, and print
-    how reward and accuracy moved."""
-    if cfg.eval_every:
-        final_eval(client, held_out, cfg)
+def show_progress(bar, row):
+    """The step's reward, accuracy and seconds on the bar, or where it is off (stderr is no
+    terminal) in a line."""
+    progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s")}
+    bar.set_postfix(progress)
+    if bar.disable:
+        print(f"step {row['step']}: " + " ".join(f"{k} {v}" for k, v in progress.items()))
+
+
+def finish_run(cfg, client, history):
+    """After the last step: close weight sync, and print how reward and accuracy moved."""
     client.close_communicator()
-    plot(history, os.path.join(cfg.out, "plot.png"))
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
         last = mean(h[key] for h in history[-5:])
         print(f"{key}: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
     print(f"outputs in {cfg.out}")
-
-
-def plot(history, path):
-    """Reward per step, the time each step spent, a timeline of a few steps (draw_timeline), and the
-    trainer-server mismatch (mismatch_metrics). Held-out evaluations are printed and saved
-    (metrics.jsonl's "eval", eval.json), not drawn."""
-    import matplotlib.pyplot as plt
-
-    plt.switch_backend("agg")
-    steps = [h["step"] for h in history]
-    fig, (ax1, ax2, ax3, ax4) = plt.subplots(
-        4, 1, figsize=(9, 12), gridspec_kw={"height_ratios": [3, 2, 2, 2]}
-    )
-    ax1.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
-    ax1.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
-    ax1.legend(loc="lower right", fontsize=8)
-    staleness = max(h["staleness"] for h in history)
-    title = f"GRPO, {history[0]['schedule']} schedule, max staleness {staleness:.0f}"
-    ax1.set(ylabel="per sample", title=title)
-    # the trainer's time, stacked: training, idle (waiting for samples), the weight push
-    bottom = [0.0] * len(steps)
-    for key, color in [("train_s", "tab:blue"), ("idle_s", "tab:red"), ("sync_s", "tab:green")]:
-        values = [h[key] for h in history]
-        ax2.bar(steps, values, bottom=bottom, color=color, label=key)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax2.plot(steps, [h["gen_s"] for h in history], "k.-", label="gen_s (server)")
-    ax2.set(xlabel="optimizer step", ylabel="seconds")
-    ax2.legend(loc="upper right", fontsize=8)
-    draw_timeline(ax3, history)
-    for key in ("mismatch_mean", "mismatch_max", "mismatch_kl"):
-        ax4.plot(steps, [h[key] for h in history], marker=".", label=key.replace("_", " "))
-    ax4.set(xlabel="optimizer step", ylabel="trainer vs server logprobs", yscale="log")
-    ax4.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def draw_timeline(ax, history, steps=4):
-    """A few steps from the middle of a run, from metrics.jsonl's intervals: when the server
-    generated each micro-batch, when the trainer trained on it, when it pushed the weights."""
-    shown = history[len(history) // 2 :][:steps]
-    t0 = min(a for h in shown for a, _ in h["intervals"]["gen"] + h["intervals"]["train"])
-    lanes = [("sync", "tab:green"), ("train", "tab:blue"), ("gen", "black")]
-    for lane, (key, color) in enumerate(lanes):
-        bars = [(a - t0, b - a) for h in shown for a, b in h["intervals"][key]]
-        ax.broken_barh(bars, (lane - 0.4, 0.8), color=color, alpha=0.5)
-    ax.set_yticks([0, 1, 2], ["trainer: sync", "trainer: train", "server: generate"])
-    ax.set_xlabel(f"seconds, steps {shown[0]['step']}-{shown[-1]['step']}: a bar per micro-batch")
 
 
 # -- the model: the policy and its optimizer, its weights for the server, the built-in one ---------
@@ -1018,7 +1014,9 @@ def load_data(cfg):
         data = read_dataset(cfg.dataset, reward_function(cfg))
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
-    held_out = list({r["prompt"]: r for r in data}.values())[: cfg.eval_prompts]
+    # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
+    count = cfg.eval_prompts or (None if cfg.eval_only and cfg.dataset else 8)
+    held_out = list({r["prompt"]: r for r in data}.values())[:count]
     prompts = {r["prompt"] for r in held_out}
     data = [r for r in data if r["prompt"] not in prompts]
     if not data and not cfg.eval_only:
@@ -1120,41 +1118,101 @@ def pass_at_k(n, c, k):
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def pass_ks(cfg):
+    """--pass-k's list of k; by default 1, 2, 4, ... <= --eval-n."""
+    if cfg.pass_k:
+        return [int(k) for k in cfg.pass_k.split(",")]
+    return [2**i for i in range(cfg.eval_n.bit_length())]
+
+
 def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's current weights, at the sampling
-    temperature; a sample passes with a reward of at least --success-threshold. Returns pass@k for
-    k = 1, 2, 4, ... <= n, over all rows and per task (a row's "task"; the built-in data's is
-    --task): {"pass@1": ..., "addition/pass@1": ...}."""
-    n = cfg.eval_n
+    temperature, seeded with --seed; a sample is correct with a reward of at least
+    --success-threshold. Every sample is added to --out/eval_samples.jsonl (prompt, task,
+    completion, reward, correct, version). Returns eval_metrics' pass@k and maj@k."""
     reward_fn = reward_function(cfg)
+    groups = []
+    for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
+        if len(samples) != cfg.eval_n:
+            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked {cfg.eval_n}")
+        group = []
+        for sample in samples:
+            episode = isinstance(sample, Episode)
+            text = sample.turns[-1]["text"] if episode else sample.text
+            reward = score(reward_fn, text, row)
+            group.append(
+                {
+                    "prompt": row["prompt"],
+                    "task": row.get("task", cfg.task),
+                    "completion": text,
+                    "reward": reward,
+                    "correct": reward >= cfg.success_threshold,
+                    "version": sample.turns[0]["version"] if episode else sample.version,
+                }
+            )
+        groups.append(group)
+    with open(os.path.join(cfg.out, "eval_samples.jsonl"), "a") as f:
+        f.writelines(json.dumps(record) + "\n" for group in groups for record in group)
+    return eval_metrics(groups, pass_ks(cfg))
+
+
+def sample_held_out(client, rows, cfg):
+    """--eval-n samples of each row, [row][n], a request per row; a bar counts them in as they
+    finish, where stderr is a terminal."""
     # vLLM refuses n > 1 at temperature 0; top_k 1 is the same greedy choice
     greedy = {"temperature": 1.0, "top_k": 1}
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
-    prompts = [r["prompt"] for r in rows]
-    results = requester(client, cfg)(prompts, n=n, max_tokens=cfg.max_tokens, **sampling)
-    ks = [2**i for i in range(n.bit_length())]  # 1, 2, 4, ... <= n
+    sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
+    request = requester(client, cfg)
+    if cfg.task == "calculator":
+        futures = [request([r["prompt"]], is_async=True, **sampling) for r in rows]
+    else:
+        futures = client.submit_each([r["prompt"] for r in rows], **sampling)
+    results = {}
+    done = client.as_completed(futures)
+    for future, [samples] in tqdm(done, "held-out", len(futures), leave=False, disable=None):
+        results[future.request_id] = samples
+    return [results[future.request_id] for future in futures]
+
+
+def eval_metrics(groups, ks):
+    """pass@k and maj@k (majority_correct) for each k in `ks` from `groups`, [row][n] samples
+    (evaluate's records), over all rows and per task: {"pass@1": ..., "maj@1": ...,
+    "addition/pass@1": ...}."""
     per_task = {}
-    for row, samples in zip(rows, results, strict=True):
-        if len(samples) != n:
-            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked for {n}")
-        texts = [s.turns[-1]["text"] if isinstance(s, Episode) else s.text for s in samples]
-        correct = sum(score(reward_fn, text, row) >= cfg.success_threshold for text in texts)
-        for task in ("", row.get("task", cfg.task) + "/"):
-            per_task.setdefault(task, []).append(correct)
-    return {
-        f"{task}pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs)
-        for task, cs in per_task.items()
-        for k in ks
-    }
+    for group in groups:
+        correct = sum(record["correct"] for record in group)
+        for task in ("", group[0]["task"] + "/"):
+            scores = per_task.setdefault(task, collections.defaultdict(list))
+            for k in ks:
+                scores[f"pass@{k}"].append(pass_at_k(len(group), correct, k))
+                scores[f"maj@{k}"].append(majority_correct(group[:k]))
+    result = {}
+    for task, scores in per_task.items():
+        result |= {task + name: mean(values) for name, values in scores.items()}
+    return result
+
+
+def majority_correct(samples):
+    """maj@k of one prompt's first k `samples` (lighteval's): 1.0 if the most common final answer
+    (the last number a completion writes, as reward reads it, else its whole text; a tie goes to
+    the answer given first) is correct, as the first sample that gave it is, else 0.0."""
+    answers = []
+    for record in samples:
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", record["completion"])
+        answers.append(numbers[-1] if numbers else record["completion"].strip())
+    top, _ = collections.Counter(answers).most_common(1)[0]
+    return float(samples[answers.index(top)]["correct"])
 
 
 def final_eval(client, held_out, cfg):
-    """Evaluate, print `pass@1=... pass@8=...` and write eval.json to --out: the results, the model
-    and the version of the weights evaluated."""
+    """Evaluate, print how many prompts and `pass@1=... maj@1=...`, and write eval.json to --out:
+    the results, the model and the version of the weights evaluated."""
     result = evaluate(client, held_out, cfg)
     server = client.health()
     print(
-        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples, weights v{server['version']}: "
+        f"held-out: {len(held_out)} prompts x {cfg.eval_n} samples (eval_samples.jsonl), weights "
+        f"v{server['version']}: "
         + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k)
     )
     record = {"model": cfg.model or server["model"], "version": server["version"], **result}
@@ -1165,7 +1223,10 @@ def final_eval(client, held_out, cfg):
 
 def eval_only(client, cfg, held_out):
     """--eval-only: evaluate --model. A server given by --server-url gets its weights pushed first
-    (one that train.py starts loads them); without --model, what that server holds is evaluated."""
+    (one that train.py starts loads them); without --model, what that server holds is evaluated.
+    eval.json and eval_samples.jsonl then hold this evaluation alone."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(cfg.out, "eval_samples.jsonl"))
     if cfg.server_url and cfg.model:
         model = load_model(cfg.model, cfg.device)
         client.init_communicator(host=cfg.trainer_host, device=cfg.device)

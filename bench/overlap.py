@@ -44,7 +44,7 @@ a run that skipped more than half its groups, or had a zero gradient, stops the 
 lines are `<name>_speedup=<x>` for each schedule (sync-batch's median step over its own),
 `bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from sync-batch: on-policy overlap's best) and
 `stale_bound=` ((G+T+S) / (max(G,T) + S)). Then it draws `--out`/timeline.png: three steps each of
-sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis (train.draw_timeline).
+sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis (plot.draw_timeline).
 """
 
 import argparse
@@ -60,6 +60,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from runs import refuse_hollow  # noqa: E402
 
+import plot  # noqa: E402
 import train  # noqa: E402
 from client import SHAPES, Client, launch_server, stop_server  # noqa: E402
 
@@ -272,8 +273,8 @@ def parameters(model):
 
 def draw_timelines(histories, results, N, path):
     """Three steps of sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis, drawn by
-    train.py's own draw_timeline from the runs' metrics, each titled with its medians and its
-    bound."""
+    plot.py's draw_timeline (train.py's plot) from the runs' metrics, each titled with its
+    medians and its bound."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,7 +283,7 @@ def draw_timelines(histories, results, N, path):
     fig, axes = plt.subplots(len(TIMELINES), 1, figsize=(10, 9), sharex=True)
     base = results["sync-batch"]
     for ax, name in zip(axes, TIMELINES):
-        train.draw_timeline(ax, histories[name], steps=3)
+        plot.draw_timeline(ax, histories[name], steps=3)
         m, K = results[name], RUNS[name][1]
         if name == "sync-batch":
             bound = ""

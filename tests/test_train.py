@@ -123,7 +123,7 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, _, _ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
+    tokens, _, _, _ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
