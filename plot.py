@@ -118,10 +118,11 @@ def plot(history, path, evals=()):
 
 def lines(ax, steps, history, *keys, ylabel=None, style="-"):
     """A line per metric `keys` against the steps on `ax` (a metric not measured at a step, None,
-    leaves a gap), with a legend; `ax`."""
+    leaves a gap), with a legend; `ax`. Dotted lines (a second axis's) are grey."""
+    color = {"color": "grey"} if style != "-" else {}
     for key in keys:
         values = [float("nan") if h.get(key) is None else h[key] for h in history]
-        ax.plot(steps, values, style, marker=".", label=key.replace("_", " "))
+        ax.plot(steps, values, style, marker=".", label=key.replace("_", " "), **color)
     ax.legend(loc="upper left" if style == "-" else "upper right", fontsize=8)
     ax.set(xlabel="optimizer step", ylabel=ylabel)
     return ax

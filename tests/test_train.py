@@ -3,10 +3,16 @@
 Run: .venv/bin/python -m pytest tests/test_train.py
 """
 
+import contextlib
+import fcntl
+import importlib.util
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
+import termios
 
 import psutil
 import pytest
@@ -488,7 +494,7 @@ def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
                 ), (n, c, k)
 
 
-def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server):
+def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server, tmp_path):
     prompts = ["1+1=", "hello", "What is 2*3?", "x", "42"]
     # each prompt's greedy answer
     alone = [server.generate([p], n=1, temperature=0.0, max_tokens=32)[0][0] for p in prompts]
@@ -503,7 +509,7 @@ def test_an_n16_evaluation_keeps_every_sample_with_its_prompt(server):
     rows = [
         {"prompt": p, "answer": ns[-1] if ns else "no number"} for p, ns in zip(prompts, numbers)
     ]
-    cfg = train.Config(model="m", temperature=0.0, max_tokens=32, eval_n=16)
+    cfg = train.Config(model="m", temperature=0.0, max_tokens=32, eval_n=16, out=str(tmp_path))
     result = train.evaluate(server, rows, cfg)
     expected = sum(bool(ns) for ns in numbers) / len(rows)
     assert (
@@ -550,7 +556,10 @@ def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task
     result = train.main(args)
     tasks = ["calculator"] if task == "calculator" else ["even", "odd"]
     assert set(result) == {
-        f"{t}pass@{k}" for t in ["", *(t + "/" for t in tasks)] for k in (1, 2, 4)
+        f"{t}{name}@{k}"
+        for t in ["", *(t + "/" for t in tasks)]
+        for name in ("pass", "maj")
+        for k in (1, 2, 4)
     }
     assert (
         all(0 <= v <= 1 for v in result.values())
@@ -561,3 +570,200 @@ def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task
         "version": server.health()["version"],
         **result,
     }
+
+
+# -- watching a run: metrics, plot, TensorBoard, progress; evaluation's samples --------------------
+INTERRUPTING = '''
+import os, signal
+
+import train
+
+
+def interrupting(completion, row):
+    """The addition reward; once the run has logged 12 steps, Ctrl-C: SIGINT to this process (its
+    handler raises KeyboardInterrupt in the main thread, the one that scores)."""
+    with open(os.path.join(OUT, "metrics.jsonl")) as f:
+        if len(f.readlines()) >= 12:
+            # the plot drawn every 10 steps is there before the interrupt
+            plot = os.path.join(OUT, "plot.png")
+            with open(os.path.join(OUT, "plot-before.txt"), "w") as marker:
+                marker.write(str(os.stat(plot).st_mtime_ns) if os.path.exists(plot) else "none")
+            os.kill(os.getpid(), signal.SIGINT)
+    return train.addition_reward(completion, row)
+'''
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    """A module `name` of tmp_path, from `text` with OUT (tmp_path / "run") defined in it."""
+
+    def write(name, text):
+        (tmp_path / f"{name}.py").write_text(f"OUT = {str(tmp_path / 'run')!r}\n{text}")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        sys.modules.pop(name, None)
+        return name
+
+    return write
+
+
+def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
+    server, model_path, tmp_path, restore_weights, reward_module, capsys
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    cfg = train.Config(
+        model=model_path,
+        steps=100,
+        prompts_per_step=4,
+        micro_batches=2,
+        group_size=4,
+        eval_every=4,
+        eval_prompts=4,
+        eval_n=2,
+        reward=reward_module("interrupting_reward", INTERRUPTING) + ":interrupting",
+        out=str(out),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        train.train(cfg, server)
+    server.close_communicator()
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == list(range(12))
+    for row in rows:
+        assert row["entropy"] > 0 and isinstance(row["loss"], float)
+        assert 0 < row["completion_length"] <= row["completion_length_max"] <= cfg.max_tokens
+        # a step with completions cut at --max-tokens has one that long
+        assert 0 <= row["truncated"] <= 1
+        assert row["truncated"] == 0 or row["completion_length_max"] == cfg.max_tokens
+        # on-policy: no stale token, weight 1, none clipped
+        assert (row["is_weight_mean"], row["is_weight_max"], row["is_clipped"]) == (1, 1, 0)
+    assert any(row["truncated"] > 0 for row in rows)
+    # drawn at step 10, and again as the run stopped
+    drawn_before = (out / "plot-before.txt").read_text()
+    assert drawn_before != "none" and (out / "plot.png").stat().st_mtime_ns > int(drawn_before)
+    # every number of every row, as TensorBoard itself reads the events
+    events = EventAccumulator(str(out), size_guidance={"scalars": 0})
+    events.Reload()
+    for key in ("reward", "loss", "entropy", "truncated", "is_clipped", "grad_norm"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert logged == [(row["step"], pytest.approx(row[key], rel=1e-6)) for row in rows], key
+    # the held-out evaluations at steps 0, 4 and 8 (step 12's was interrupted)
+    assert [e.step for e in events.Scalars("eval/pass@1")] == [0, 4, 8]
+    assert [e.value for e in events.Scalars("eval/maj@2")] == [
+        pytest.approx(row["eval"]["maj@2"]) for row in rows if "eval" in row
+    ]
+    samples = [json.loads(line) for line in open(out / "eval_samples.jsonl")]
+    assert len(samples) == 3 * 4 * 2
+    assert sorted({s["version"] for s in samples}) == [rows[s]["version"] for s in (0, 4, 8)]
+    # stdout is no terminal here: a line per step, no bar
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 12 and "reward" in lines[0] and "accuracy" in lines[0]
+    assert "step_s" in lines[0]
+
+
+def test_on_a_terminal_one_bar_shows_reward_accuracy_and_seconds_per_step(
+    server, model_path, tmp_path, restore_weights, monkeypatch, capsys
+):
+    """stderr on a pseudo-terminal (a real tty device): tqdm's bar, for the steps and for the
+    held-out evaluation, instead of lines."""
+    master, terminal = os.openpty()
+    # 24 rows of 160 columns: a terminal's size (a new pty's is 0 x 0, and tqdm draws nothing)
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
+    monkeypatch.setattr(sys, "stderr", open(terminal, "w"))
+    cfg = train.Config(
+        model=model_path,
+        steps=3,
+        prompts_per_step=4,
+        micro_batches=2,
+        group_size=4,
+        eval_every=2,
+        eval_prompts=4,
+        eval_n=2,
+        out=str(tmp_path),
+    )
+    train.train(cfg, server)
+    sys.stderr.close()
+    monkeypatch.undo()
+    # what the run wrote to the terminal: small, within the pty's buffer
+    os.set_blocking(master, False)
+    shown = b""
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(master, 65536):
+            shown += chunk
+    os.close(master)
+    shown = shown.decode()
+    assert "GRPO" in shown and "held-out" in shown and "3/3" in shown
+    assert "reward=" in shown and "accuracy=" in shown and "step_s=" in shown
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+FIRST_CHARACTER = '''
+def parity(completion, row):
+    """1 where the completion's first character has an even code: answers that repeat (at a low
+    temperature, one token) score alike."""
+    return float(ord((completion or " ")[0]) % 2 == 0)
+'''
+
+
+def test_eval_only_scores_the_whole_file_saves_every_sample_and_its_pass_and_maj_at_k(
+    server, model_path, tmp_path, restore_weights, reward_module, capsys
+):
+    data = tmp_path / "data.jsonl"
+    rows = [
+        {"prompt": f"{i}+{i}=", "answer": "0", "task": ["even", "odd"][i % 2]} for i in range(10)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["--eval-only", "--server-url", server.base_url, "--model", model_path]
+    args += ["--dataset", str(data), "--eval-n", "5", "--pass-k", "1,2,5", "--max-tokens", "1"]
+    args += [
+        "--temperature",
+        "0.3",
+        "--reward",
+        reward_module("parity", FIRST_CHARACTER) + ":parity",
+    ]
+    args += ["--out", str(tmp_path / "run")]
+    result = train.main(args)
+    assert "held-out: 10 prompts x 5 samples" in capsys.readouterr().out
+    samples = [json.loads(line) for line in open(tmp_path / "run" / "eval_samples.jsonl")]
+    version = server.health()["version"]
+    assert len(samples) == 50 and {s["version"] for s in samples} == {version}
+    assert {s["prompt"] for s in samples} == {row["prompt"] for row in rows}
+    assert all(s["correct"] == (s["reward"] >= 1.0) for s in samples)
+    # pass@k and maj@k recomputed from the samples saved, per task and over all
+    groups = {}
+    for s in samples:
+        groups.setdefault(s["prompt"], []).append(s)
+    expected = {}
+    for task in ("", "even/", "odd/"):
+        chosen = [g for g in groups.values() if task in ("", g[0]["task"] + "/")]
+        for k in (1, 2, 5):
+            passes = []
+            majorities = []
+            for group in chosen:
+                wrong = sum(not s["correct"] for s in group)
+                passes.append(1 - math.comb(wrong, k) / math.comb(5, k))
+                answers = [s["completion"].strip() for s in group[:k]]
+                top = max(answers, key=lambda a: (answers.count(a), -answers.index(a)))
+                majorities.append(group[answers.index(top)]["correct"])
+            expected[f"{task}pass@{k}"] = sum(passes) / len(passes)
+            expected[f"{task}maj@{k}"] = sum(majorities) / len(majorities)
+    assert result == pytest.approx(expected)
+    assert 0 < result["pass@1"] < 1
+    # answers repeat within a prompt: the majority is no one sample's
+    assert any(len({s["completion"] for s in g}) < 5 for g in groups.values())
+    # seeded: the same samples again
+    again = train.main(args)
+    resampled = [json.loads(line) for line in open(tmp_path / "run" / "eval_samples.jsonl")]
+    assert [s["completion"] for s in resampled] == [s["completion"] for s in samples]
+    assert again == result
+
+
+def test_pass_k_and_wandb_are_checked_when_given():
+    with pytest.raises(ValueError, match="each k from 1 to --eval-n"):
+        train.Config(model="m", pass_k="1,16", eval_n=8)
+    with pytest.raises(ValueError, match="a list of k"):
+        train.Config(model="m", pass_k="1, 4")
+    assert train.pass_ks(train.Config(model="m", eval_n=10)) == [1, 2, 4, 8]
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ValueError, match="wandb is not installed"):
+            train.Config(model="m", wandb="my-project")
