@@ -28,7 +28,9 @@ class RunLog:
         self.jsonl = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
         # a resumed run's steps before its checkpoint; their events are in the files of before
         self.jsonl.writelines(json.dumps(row) + "\n" for row in history)
-        self.tensorboard = SummaryWriter(cfg.out)
+        # a resumed run's: the events of the steps from its checkpoint on, logged before it
+        # stopped, are dropped (TensorBoard's purge_step), so that no step shows twice
+        self.tensorboard = SummaryWriter(cfg.out, purge_step=len(history))
         self.wandb = None
         if cfg.wandb:
             import wandb

@@ -106,7 +106,8 @@ class Config:
     --eval-*: held-out prompts, taken from the data and never trained on, scored with the task's
       reward, every sample saved to eval_samples.jsonl: pass@k (unbiased, from --eval-n samples)
       and maj@k (the most common final answer of the first k samples is right: majority_correct)
-      for each k of --pass-k, over all prompts and per task, sampled with --seed.
+      for each k of --pass-k, over all prompts and per task, sampled with --seed. --eval-prompts
+      0 (the default): 8, and with --eval-only every prompt of --dataset.
     --wandb PROJECT: the metrics to Weights & Biases too (offline unless WANDB_MODE says otherwise),
       where wandb is installed; TensorBoard's events are written to --out always.
     Sampling is at --temperature only: with top_p or top_k, vLLM's logprobs are renormalised over
@@ -157,9 +158,7 @@ class Config:
     # evaluation
     eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
     eval_every: int = flag(0, "evaluate every K steps and at the end (0: never)", at_least=0)
-    eval_prompts: int = flag(
-        0, "held-out prompts (0: 8; --eval-only: all of --dataset)", at_least=0
-    )
+    eval_prompts: int = flag(0, "held-out prompts (0: 8; --eval-only: all)", at_least=0)
     eval_n: int = flag(8, "samples per held-out prompt", at_least=1)
     pass_k: str = flag("", "k of pass@k and maj@k: 1,4,10 (default: 1, 2, 4, ... <= --eval-n)")
     # logging
@@ -1169,8 +1168,10 @@ def sample_held_out(client, rows, cfg):
     else:
         futures = client.submit_each([r["prompt"] for r in rows], **sampling)
     results = {}
-    done = client.as_completed(futures)
-    for future, [samples] in tqdm(done, "held-out", len(futures), leave=False, disable=None):
+    bar = tqdm(
+        client.as_completed(futures), desc="held-out", total=len(futures), leave=False, disable=None
+    )
+    for future, [samples] in bar:
         results[future.request_id] = samples
     return [results[future.request_id] for future in futures]
 
