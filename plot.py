@@ -5,28 +5,35 @@ metrics.jsonl and TensorBoard events (and to W&B with --wandb), and redraws plot
 """
 
 import json
+import math
 import os
+import time
 from dataclasses import asdict
 
-# steps between two drawings of plot.png (one takes ~0.5 s of CPU); it is drawn at the end too
+# plot.png is drawn every PLOT_EVERY steps, at least PLOT_SECONDS apart (a drawing takes ~1 s of
+# CPU: the CPU demo's steps take 0.15 s), and when the run stops
 PLOT_EVERY = 10
+PLOT_SECONDS = 30
 
 
 class RunLog:
     """The records of a run in --out, added to as each step ends (log): a row of metrics.jsonl,
     its numbers as TensorBoard scalars (and W&B's with --wandb), and plot.png every PLOT_EVERY
-    steps. Leaving the with-block draws the plot and closes the files, however the run stops:
-    at its end, on an error, on Ctrl-C. `history`: the rows so far (a resumed run's), added to."""
+    steps, PLOT_SECONDS apart at least. Leaving the with-block draws the plot and closes the
+    files, however the run stops: at its end, on an error, on Ctrl-C. `history`: the rows so far
+    (a resumed run's), added to."""
 
     def __init__(self, cfg, history):
         from torch.utils.tensorboard import SummaryWriter
 
         self.out = cfg.out
         self.history = history
+        # time.monotonic() of the last drawing
+        self.drawn = -math.inf
         # (step, result) of each held-out evaluation
         self.evals = [(row["step"], row["eval"]) for row in history if "eval" in row]
         self.jsonl = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
-        # a resumed run's steps before its checkpoint; their events are in the files of before
+        # a resumed run's rows so far: the steps before its checkpoint
         self.jsonl.writelines(json.dumps(row) + "\n" for row in history)
         # a resumed run's: the events of the steps from its checkpoint on, logged before it
         # stopped, are dropped (TensorBoard's purge_step), so that no step shows twice
@@ -52,7 +59,7 @@ class RunLog:
         if "eval" in row:
             self.evals.append((row["step"], row["eval"]))
         self.write_scalars(row["step"], scalars(row))
-        if len(self.history) % PLOT_EVERY == 0:
+        if len(self.history) % PLOT_EVERY == 0 and time.monotonic() - self.drawn > PLOT_SECONDS:
             self.plot()
 
     def log_eval(self, step, result):
@@ -69,6 +76,7 @@ class RunLog:
     def plot(self):
         if self.history:
             plot(self.history, os.path.join(self.out, "plot.png"), self.evals)
+            self.drawn = time.monotonic()
 
     def close(self):
         self.plot()
