@@ -89,8 +89,17 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
     peer that cannot reach us fails here, not in an update. NCCL makes its communicator on the GPU
     of the first tensor, so each rank sends that one from its own GPU, `device`."""
     timeout = timedelta(seconds=weight_sync_timeout)
+    # the trainer's store listens on `host` alone (TCPStore would bind every interface): whoever
+    # reaches it could take a rank and receive every pushed weight
+    listening = store_socket(host, port).detach() if rank == 0 else None
     store = dist.TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        host,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listening,
     )
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -103,6 +112,12 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         broadcast(group, torch.zeros(1, device=device), weight_sync_timeout)
     return group
+
+
+def store_socket(host, port) -> socket.socket:
+    """A socket listening on `host`'s address alone, at `port`, for the trainer's TCPStore."""
+    [(family, _, _, _, address)] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[:1]
+    return socket.create_server(address, family=family)
 
 
 def broadcast(group, tensor, weight_sync_timeout):

@@ -24,6 +24,8 @@ import ast
 import asyncio
 import logging
 import os
+import select
+import signal
 import tempfile
 import threading
 import time
@@ -91,6 +93,7 @@ class Engine:
         head_dim=16", raised by the first forward pass) fails here, at start, and `error` says
         why."""
         await self.rpc("log_errors", self.worker_errors)
+        await self.rpc("exit_with", os.getpid())
         await self.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
 
     async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
@@ -493,6 +496,19 @@ class WeightSyncWorker:
         handler = logging.FileHandler(path, delay=True)
         handler.setLevel(logging.ERROR)
         logging.getLogger("vllm").addHandler(handler)
+
+    def exit_with(self, server_pid):
+        """Stop vLLM's engine core (our parent, or this process under vLLM's one-process executor),
+        and so its workers, once the server process `server_pid` ends: killed by SIGKILL, it
+        cannot stop them. A thread waits on the server's pidfd: no polling."""
+        engine_core = os.getpid() if os.getppid() == server_pid else os.getppid()
+        server = os.pidfd_open(server_pid)
+
+        def wait():
+            select.select([server], [], [])
+            os.kill(engine_core, signal.SIGTERM)
+
+        threading.Thread(target=wait, daemon=True).start()
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None

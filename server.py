@@ -11,12 +11,16 @@ every field. Every mistake of the caller is a 4xx with {"error": message}.
 
 import argparse
 import asyncio
+import base64
+import contextlib
 import functools
+import hashlib
 import hmac
 import itertools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -62,8 +66,14 @@ class State:
     """What the routes share, besides the engine. `flags` are the server's flags (parse_args)."""
 
     flags: argparse.Namespace
-    # request id -> (asyncio task, its arguments' key), oldest first
+    # request id -> (asyncio task, its arguments' key, its body's bytes), oldest first
     tasks: dict = field(default_factory=dict)
+    # the bytes of the bodies held (by `tasks` and the /v1 calls in progress), and those calls
+    held_bytes: int = 0
+    openai_calls: int = 0
+    # when a /get_future call last began or ended (time.monotonic()): kept results expire after
+    # --result-ttl s without one
+    last_fetch: float = field(default_factory=time.monotonic)
     # ids a /get_future call is waiting for: one caller at a time, or the second finds it fetched
     waiting: set = field(default_factory=set)
     # X-Session-ID -> {"calls": [...], "tokens": recorded or reserved, "started", "used": time}
@@ -169,6 +179,9 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
             f"{sequences} sequences (prompts x n) in one request; "
             f"at most {flags.max_request_seqs} (--max-request-seqs)"
         )
+    # vLLM seeds choice i with seed + i, which must fit the engine core's uint64
+    if isinstance(fields.get("seed"), int) and fields["seed"] + n > 2**64:
+        raise ApiError("'seed' + n must be at most 2**64 (vLLM seeds choice i with seed + i)")
     try:
         params = SamplingParams(**fields)
         # the last guard: what the engine's input thread could not decode never reaches it
@@ -186,48 +199,73 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     prompts = parse_prompts(body, app[STATE])
     params = parse_sampling(body, app[STATE], extra=(*REQUEST_FIELDS, *extra))
     checked_field(body, "priority", int, 0)
-    checked_field(body, "min_version", int, 0)
+    # a request waits for its min_version: at most the next push's, or it might never run
+    version = app[ENGINE].version
+    checked_field(body, "min_version", int, 0, 0, version + 1, f" (the weights are at {version})")
     checked_field(body, "keep_result", bool, False)
     return prompts, params
 
 
 def args_key(body) -> str:
-    """The identity of a call by its arguments: the same body finds the same request."""
+    """The identity of a call by its arguments: the same body finds the same request. A digest,
+    not the arguments: the table holds 64 characters per request, not a copy of its body."""
     arguments = {k: v for k, v in body.items() if k not in ("request_id", "timeout")}
-    return json.dumps(arguments, sort_keys=True)
+    return hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()
 
 
-# -- the futures table: request id -> (task, its arguments' key), oldest first ---------------------
-def check_room(app, count=1):
-    """429 unless `count` more requests fit under --max-pending. Work is checked before it is
-    submitted, all of a call's requests at once: a call is taken whole or not at all. (A weight
-    update, once announced, is never refused for room.)"""
-    if len(app[STATE].tasks) + count > app[STATE].flags.max_pending:
-        raise ApiError(f"{len(app[STATE].tasks)} results wait unfetched (--max-pending)", 429)
+# -- the futures table: request id -> (task, its arguments' key, its bytes), oldest first ----------
+async def check_room(request, count=1) -> int:
+    """429 unless `count` more requests fit under --max-pending (with the /v1 calls in progress)
+    and the request's body under --max-pending-mb (of all the bodies held); the bytes each of the
+    `count` holds. Work is checked before it is submitted, all of a call's requests at once: a call
+    is taken whole or not at all. (A weight update, once announced, is never refused for room.)"""
+    state = request.app[STATE]
+    held = len(state.tasks) + state.openai_calls
+    if held + count > state.flags.max_pending:
+        raise ApiError(f"{held} requests wait unfetched or run (--max-pending)", 429)
+    nbytes = len(await request.read())
+    if state.held_bytes + nbytes > state.flags.max_pending_mb << 20:
+        raise ApiError(
+            f"{state.held_bytes >> 20} MiB of request bodies are held; this one's {nbytes} bytes "
+            "do not fit (--max-pending-mb): fetch or abort results first",
+            429,
+        )
+    return nbytes // count
 
 
-def add_request(app, body, work, *args) -> str:
+def add_request(app, body, work, *args, nbytes=0) -> str:
     """Start `work(app, *args)` (a coroutine function's) under a new id once weights
-    body["min_version"] are loaded (run_at_version), remembering the body. Once it is done, its
-    result waits --result-ttl seconds to be fetched, then it is dropped; with "keep_result" in the
-    body, until it is fetched or aborted (a trainer's queued step)."""
+    body["min_version"] are loaded (run_at_version), holding its `nbytes` (check_room). Once it is
+    done, its result waits --result-ttl seconds to be fetched, then it is dropped; with
+    "keep_result" in the body, until it is fetched or aborted (a trainer's queued step), or no
+    /get_future came for --result-ttl s (its trainer died)."""
     state = app[STATE]
     request_id = uuid.uuid4().hex
     task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work, *args))
-    state.tasks[request_id] = (task, args_key(body))
-    if not body.get("keep_result"):
-        ttl = state.flags.result_ttl
-        task.add_done_callback(lambda t: t.get_loop().call_later(ttl, expire, app, request_id))
+    state.tasks[request_id] = (task, args_key(body), nbytes)
+    state.held_bytes += nbytes
+    ttl, kept = state.flags.result_ttl, bool(body.get("keep_result"))
+    task.add_done_callback(lambda t: t.get_loop().call_later(ttl, expire, app, request_id, kept))
     return request_id
 
 
 def drop_request(app, request_id) -> asyncio.Task:
     """Drop a request (fetched, aborted or expired); returns its task."""
-    return app[STATE].tasks.pop(request_id)[0]
+    task, _, nbytes = app[STATE].tasks.pop(request_id)
+    app[STATE].held_bytes -= nbytes
+    return task
 
 
-def expire(app, request_id):
-    if request_id in app[STATE].tasks:
+def expire(app, request_id, kept):
+    """Drop a result not fetched --result-ttl s after it finished; a `kept` one once no /get_future
+    came for --result-ttl s (none waits, none began or ended)."""
+    state = app[STATE]
+    ttl = state.flags.result_ttl
+    idle = time.monotonic() - state.last_fetch
+    if kept and (state.waiting or idle < ttl):
+        delay = ttl if state.waiting else ttl - idle
+        asyncio.get_running_loop().call_later(delay, expire, app, request_id, kept)
+    elif request_id in state.tasks:
         drop_request(app, request_id)
         EXPIRED_RESULTS.inc()
 
@@ -296,8 +334,8 @@ async def generate(request):
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     split = checked_field(body, "split_prompts", bool, False)
     bodies = [{**body, "prompts": [p]} for p in prompts] if split else [body]
-    check_room(app, len(bodies))
-    ids = [add_request(app, b, run_generate, b, params) for b in bodies]
+    nbytes = await check_room(request, len(bodies))
+    ids = [add_request(app, b, run_generate, b, params, nbytes=nbytes) for b in bodies]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
@@ -325,9 +363,11 @@ async def rollout(request):
     call_end = checked_field(given, "call_end", str, rollouts.call_end)
     if not call_start or not call_end:
         raise ApiError("'call_start' and 'call_end' must be non-empty strings")
-    check_room(app)
+    nbytes = await check_room(request)
     episode_options = (max_turns, budget, tools, call_start, call_end)
-    request_id = add_request(app, body, run_rollout, prompts, params, *episode_options)
+    request_id = add_request(
+        app, body, run_rollout, prompts, params, *episode_options, nbytes=nbytes
+    )
     return web.json_response({"request_id": request_id}, status=202)
 
 
@@ -344,7 +384,7 @@ def requested_tasks(app, body) -> dict:
         ids = [checked_field(body, "request_id", str)]
     elif "prompts" in body:
         key = args_key(body)
-        ids = [i for i, (_, k) in state.tasks.items() if k == key and i not in state.waiting][:1]
+        ids = [i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting][:1]
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}
@@ -367,18 +407,21 @@ async def get_future(request):
     tasks = requested_tasks(request.app, body)
     # nothing awaited between the check in requested_tasks and this
     state.waiting.update(tasks)
+    state.last_fetch = time.monotonic()
     try:
         done, _ = await asyncio.wait(
             tasks.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
         state.waiting.difference_update(tasks)
+        state.last_fetch = time.monotonic()
     if not done:
         raise ApiError(f"request {', '.join(tasks)} not finished after {timeout} s; ask again", 408)
     finished = {i: task for i, task in tasks.items() if task in done}
     for i, task in finished.items():
         if task.cancelled() or task.exception():
-            state.tasks.pop(i, None)
+            if i in state.tasks:
+                drop_request(request.app, i)
             # a dead engine: its cause, rather than vLLM's "see stack trace (above)"
             error = request.app[ENGINE].error
             if task.cancelled() and not error:
@@ -478,16 +521,16 @@ def check_buckets(body, state) -> list:
                     f"fit its bucket of {size} bytes"
                 )
             end = offset + nbytes
-        check_handle(bucket.get("handle"), state.transport)
+        check_handle(bucket.get("handle"), state.transport, size)
     missing = sorted(set(spec) - seen)
     if missing:
         raise ApiError(f"an update needs every parameter; missing {len(missing)}: {missing[:5]}")
     return buckets
 
 
-def check_handle(handle, transport):
-    """With ipc a bucket carries the handle of the trainer's buffer (IPC_HANDLE); with nccl and
-    gloo none."""
+def check_handle(handle, transport, size):
+    """With ipc a bucket carries the handle of the trainer's buffer of `size` bytes (IPC_HANDLE);
+    with nccl and gloo none."""
     if transport != "ipc":
         well_formed = handle is None
     elif isinstance(handle, dict) and set(handle) == set(IPC_HANDLE):
@@ -499,6 +542,25 @@ def check_handle(handle, transport):
             f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} "
             "as client.share_cuda makes it; with nccl and gloo none"
         )
+    if transport == "ipc" and not ipc_handle_fits(handle, size):
+        raise ApiError("the handle's 'ref' is not torch's, or its offsets leave its buffers")
+
+
+def ipc_handle_fits(handle, size) -> bool:
+    """Whether a handle names a ref counter as torch names them, "/torch_<pid>_<n>_<n>", at an
+    offset inside its file (torch's CUDA_IPC_REF_COUNTER_FILE_SIZE int64s: a worker increments
+    the one there), and a buffer of `size` bytes inside its storage. Without --api-key, anyone on
+    this machine may send one."""
+    try:
+        ref = base64.b64decode(handle["ref"], validate=True)
+    except ValueError:
+        return False
+    return (
+        re.fullmatch(rb"/torch_\d+_\d+_\d+", ref) is not None
+        and 0 <= handle["ref_offset"] < 10000
+        and 0 <= handle["offset"] <= handle["storage_bytes"] - size
+        and handle["storage_offset"] >= 0
+    )
 
 
 async def update_weights(request):
@@ -673,11 +735,13 @@ async def openai_completion(request):
     stream = checked_field(body, "stream", bool, False)
     session_id = request.headers.get("X-Session-ID")
     completions = []
+    nbytes = await check_room(request)
     # room for every choice, each recorded with its prompt
     reserved = params.n * (len(prompt) + params.max_tokens)
     recording = open_session(state, session_id, reserved) if session_id else None
     try:
-        [completions] = await counted_generate(request.app, [prompt], params)
+        with held_call(state, nbytes):
+            [completions] = await counted_generate(request.app, [prompt], params)
     # the engine refused it (e.g. a prompt longer than --max-model-len)
     except Exception as e:
         status = 503 if engine.error else 400
@@ -690,12 +754,27 @@ async def openai_completion(request):
     return openai_events(answer, chat) if stream else web.json_response(answer)
 
 
+@contextlib.contextmanager
+def held_call(state, nbytes):
+    """A /v1 call in progress, of `nbytes`: counted with the futures table (check_room)."""
+    state.openai_calls += 1
+    state.held_bytes += nbytes
+    try:
+        yield
+    finally:
+        state.openai_calls -= 1
+        state.held_bytes -= nbytes
+
+
 def openai_events(answer, chat):
     """`answer` as server-sent events. The engine hands over finished requests: one event per
     choice, all at once."""
     for choice in answer["choices"]:
         if chat:
             choice["delta"] = choice.pop("message")
+        # OpenAI's delta format: each tool call with its place in the message's list
+        for i, call in enumerate(choice.get("delta", {}).get("tool_calls", [])):
+            call["index"] = i
     object_type = "chat.completion.chunk" if chat else "text_completion"
     events = "".join(
         f"data: {json.dumps({**answer, 'object': object_type, 'choices': [c]})}\n\n"
@@ -812,6 +891,7 @@ def record(session, prompt, completions, reserved):
             "completion_token_ids": c.token_ids,
             "logprobs": c.logprobs,
             "weight_version": c.version,
+            "versions": c.versions,
             "text": c.text,
             "finish_reason": c.finish_reason,
         }
@@ -832,7 +912,7 @@ def merge(calls) -> tuple[dict | None, str | None]:
         {"text": c["text"], "version": c["weight_version"], "finish_reason": c["finish_reason"]}
         for c in calls
     ]
-    episode = Episode([], [], [], turns, [], turns[-1]["finish_reason"])
+    episode = Episode([], [], [], turns, [], turns[-1]["finish_reason"], versions=[])
     for i, call in enumerate(calls):
         prompt = call["prompt_token_ids"]
         if prompt[: len(episode.token_ids)] != episode.token_ids:
@@ -841,6 +921,9 @@ def merge(calls) -> tuple[dict | None, str | None]:
                 "(re-tokenised text, or a call with n > 1): train on 'calls' instead"
             )
         episode.append(prompt[len(episode.token_ids) :], logprobs=None)
+        # each call's version spans, counted from its completion's first token
+        start = len(episode.token_ids)
+        episode.versions += [[v, start + first] for v, first in call["versions"]]
         episode.append(call["completion_token_ids"], call["logprobs"])
     return vars(episode), None
 
@@ -905,7 +988,7 @@ async def stop_requests(app):
     """On shutdown (SIGTERM), before aiohttp waits for the handlers still running: end every
     request, so that the /get_future calls waiting for them answer now (404 as aborted, or 503 with
     the cause if the engine died), not once aiohttp's graceful shutdown gives up (60 s)."""
-    for task, _ in app[STATE].tasks.values():
+    for task, _, _ in app[STATE].tasks.values():
         task.cancel()
 
 
@@ -1006,6 +1089,8 @@ def add_limit_flags(g):
     g.add_argument("--max-n", type=int, default=256, help="largest n (completions per prompt)")
     g.add_argument("--max-request-seqs", type=int, default=16384, help="most prompts x n at once")
     g.add_argument("--max-pending", type=int, default=10000, help="most results not yet fetched")
+    # the bodies of the requests waiting, running or unfetched, /v1 calls included
+    g.add_argument("--max-pending-mb", type=int, default=1024, help="most MiB of bodies held")
     g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a result is kept")
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's

@@ -191,7 +191,11 @@ def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
         ({"prompts": ["a"], "n": 100000}, "--max-n"),
         ({"prompts": ["a"], "max_tokens": 10**6}, "--max-model-len"),
         ({"prompts": ["a"] * 300, "n": 100}, "--max-request-seqs"),
-        ({"prompts": ["a"], "seed": 2**70}, "invalid sampling"),
+        ({"prompts": ["a"], "seed": 2**70}, "seed"),
+        # once accepted (202), then an empty 422: vLLM seeds choice i with seed + i
+        ({"prompts": ["a"], "n": 2, "seed": 2**64 - 1}, "seed"),
+        # once held for --result-ttl, for weights that never come
+        ({"prompts": ["a"], "min_version": 10**9}, "min_version"),
         ({"prompts": ["a"], "tools": [{"x": 1}]}, "tools"),
     ],
 )
@@ -337,10 +341,10 @@ def test_training_survives_a_server_restart(short, tmp_path):
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
         assert time.monotonic() < deadline and trainer.is_alive()
         time.sleep(0.2)
-    # a request held for weights that never come, and a caller long-polling for it
-    held = short["client"].generate(["a"], max_tokens=2, min_version=10**6, is_async=True)
+    # a long request (the model's whole context, 16 times), and a caller long-polling for it
+    long = short["client"].generate(["a"], n=16, max_tokens=500, ignore_eos=True, is_async=True)
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(held.result)
+        waiting = pool.submit(long.result)
         time.sleep(0.5)
         stop_server(short["proc"])  # mid-training
         with pytest.raises(ServerError, match="aborted") as stopped:
@@ -353,6 +357,21 @@ def test_training_survives_a_server_restart(short, tmp_path):
     assert len(versions) == 30
     # a new server, and training went on
     assert any(b < a for a, b in zip(versions, versions[1:])), versions
+
+
+def test_a_server_killed_by_sigkill_leaves_no_engine_core_or_workers(short):
+    """vLLM's engine core and its workers notice that the server is gone and exit. (A server must
+    be killed to show it, and the next test needs one: one more start.)"""
+    engine = psutil.Process(short["proc"].pid).children(recursive=True)
+    assert any("EngineCore" in p.name() for p in engine), engine
+    short["proc"].kill()
+    short["proc"].wait()
+    # they exit within seconds: gone, or zombies whose parent died
+    _, alive = psutil.wait_procs(engine, timeout=60)
+    for p in alive:
+        p.kill()
+    assert not alive, alive
+    short["proc"] = short["start"]()
 
 
 def test_a_dead_engine_stops_the_trainer_at_once_with_the_cause(short, tmp_path):
@@ -405,6 +424,8 @@ def strict(model_path, tmp_path_factory):
         "2",
         "--max-pending",
         "4",
+        "--max-pending-mb",
+        "1",
         "--drain-timeout",
         "1",
         "--max-session-tokens",
@@ -483,6 +504,49 @@ def test_beyond_max_pending_is_a_429(strict):
     for f in futures:
         f.abort()
     assert client.generate(["room again"], max_tokens=2)[0][0].finish_reason == "length"
+
+
+def held(client, **body):
+    """A /generate request held until the next push (none comes: it fails after --result-ttl)."""
+    version = client.health()["version"]
+    return post(client, "/generate", json={"prompts": ["a"], "min_version": version + 1, **body})
+
+
+def test_bodies_held_beyond_max_pending_mb_are_a_429(strict):
+    _, client, _ = strict
+    first = held(client, prompts=["x" * 600_000])
+    assert first.status_code == 202, first.text
+    # --max-pending-mb 1: 600 kB more do not fit, a small request does
+    second = held(client, prompts=["y" * 600_000])
+    assert second.status_code == 429 and "--max-pending-mb" in second.json()["error"]
+    small = held(client)
+    assert small.status_code == 202
+    for r in (first, small):
+        post(client, "/abort", json={"request_id": r.json()["request_id"]})
+    again = held(client, prompts=["y" * 600_000])
+    assert again.status_code == 202
+    post(client, "/abort", json={"request_id": again.json()["request_id"]})
+
+
+def test_openai_calls_count_against_max_pending(strict):
+    _, client, _ = strict
+    ids = [held(client).json()["request_id"] for _ in range(4)]
+    # --max-pending 4: the table is full, and a /v1 call is one more request
+    r = session_call(client, "counted")
+    assert r.status_code == 429 and "--max-pending" in r.json()["error"]["message"], r.text
+    for request_id in ids:
+        post(client, "/abort", json={"request_id": request_id})
+    assert session_call(client, "counted").status_code == 200
+
+
+def test_kept_results_expire_once_nobody_fetches(strict):
+    """keep_result holds a result for its trainer while it fetches; one whose trainer died (no
+    /get_future for --result-ttl s) is dropped, not kept for the server's life."""
+    _, client, _ = strict
+    r = post(client, "/generate", json={"prompts": ["kept"], "max_tokens": 2, "keep_result": True})
+    time.sleep(5)  # done within a second, then --result-ttl 2 without a /get_future
+    gone = post(client, "/get_future", json={"request_id": r.json()["request_id"], "timeout": 5})
+    assert gone.status_code == 404, gone.text
 
 
 def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):

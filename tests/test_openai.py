@@ -154,3 +154,29 @@ def test_a_session_that_does_not_continue_itself_has_no_episode(oa, model_name, 
         )
     calls, episode = server.session("agent-2")
     assert len(calls) == 2 and episode is None
+
+
+def test_a_merged_session_keeps_each_calls_weight_version(oa, model_name, server, model_path):
+    """An agent's two calls, a weight push between them: the merged episode labels each call's
+    sampled tokens with the version that sampled them, as train.sequence reads them."""
+    agent = oa.with_options(default_headers={"X-Session-ID": "agent-3"})
+    messages = [{"role": "user", "content": "a question"}]
+    reply = agent.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
+    # the same weights, pushed: one version more
+    server.init_communicator(transport="gloo")
+    server.update_model_params(AutoModelForCausalLM.from_pretrained(model_path))
+    server.close_communicator()
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "tool", "content": "a tool's answer"},
+    ]
+    agent.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
+    calls, episode = server.session("agent-3")
+    assert episode is not None, calls
+    versions = train.sequence({"answer": ""}, episode, train.answer_reward)["versions"]
+    sampled = [v for v, m in zip(versions, episode.loss_mask) if m]
+    first, second = (len(c["completion_token_ids"]) for c in calls)
+    v0 = calls[0]["weight_version"]
+    assert sampled == [v0] * first + [v0 + 1] * second
+    assert calls[1]["weight_version"] == v0 + 1
+    server._request("DELETE", "/v1/sessions/agent-3")

@@ -5,9 +5,11 @@ Run: .venv/bin/python -m pytest tests/test_service.py
 """
 
 import json
+import random
 
 import openai
 import pytest
+import requests
 from test_rollout import greedy_rollout
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -167,3 +169,57 @@ def test_help_shows_the_defaults(capsys):
         server.parse_args(["--help"])
     out = capsys.readouterr().out
     assert "(default: 256)" in out and "(default: 600.0)" in out
+
+
+def test_streamed_tool_calls_follow_openais_delta_format(tool_server):
+    """The openai SDK's stream() helper accumulates the deltas into the message: each streamed tool
+    call carries its `index` (without it the helper raised TypeError)."""
+    oa = openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="-", max_retries=0)
+    with oa.chat.completions.stream(
+        model=oa.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is 2+3?"}],
+        tools=[CALC_TOOL],
+        temperature=0,
+        max_tokens=100,
+    ) as stream:
+        for _ in stream:
+            pass
+        choice = stream.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "calc" and json.loads(call.function.arguments) == {
+        "expression": "2+3"
+    }
+
+
+def test_fuzzed_v1_bodies_with_tools_and_streams_never_get_a_5xx(tool_server):
+    """Random mixes of tools, tool choices, tool-call messages and streams, valid and not: 4xx or
+    200, never a 5xx, and the server still serves."""
+    rng = random.Random(2)
+    oa = openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="-", max_retries=0)
+    model = oa.models.list().data[0].id
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    junk = {
+        "tools": [[CALC_TOOL], [CALC_TOOL] * 3, [{"type": "function"}], [{}], "calc", None, [1]],
+        "tool_choice": ["auto", "none", "required", {"type": "function"}, 3, None],
+        "stream": [True, False, "yes", None],
+        "n": [1, 2, 0, None],
+        "messages": [
+            [{"role": "user", "content": "What is 2+3?"}],
+            [{"role": "assistant", "content": None, "tool_calls": [call]}],
+            [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}],
+            [{"role": "tool", "content": "5"}],
+            [{"role": "assistant", "tool_calls": "x"}],
+        ],
+    }
+    statuses = {}
+    for _ in range(60):
+        body = {"model": model, "messages": junk["messages"][0], "max_tokens": 8}
+        for name in rng.sample(sorted(junk), rng.randint(1, 4)):
+            body[name] = rng.choice(junk[name])
+        r = requests.post(tool_server.base_url + "/v1/chat/completions", json=body, timeout=120)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (body, r.text[:300])
+    print(f"tools fuzz: 60 bodies, statuses {dict(sorted(statuses.items()))}")
+    assert statuses.get(200) and statuses.get(400)
+    assert oa.completions.create(model=model, prompt="ok", max_tokens=2).choices

@@ -4,8 +4,10 @@ CUDA IPC and NCCL: the tests marked gpu).
 Run: .venv/bin/python -m pytest tests/test_weight_sync.py
 """
 
+import base64
 import math
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import server as server_module
 import train
 from client import Client, ServerError, launch_server, pack, stop_server
 from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
@@ -467,3 +470,54 @@ def test_nccl_update_from_a_trainer_on_another_gpu(server, hf):
         assert server.update_model_params(model) == v0 + 2
     finally:
         server.close_communicator()
+
+
+def test_the_trainers_group_store_listens_on_its_host_alone(server):
+    """The trainer hosts the weight group's TCPStore at `host` (127.0.0.1 here): another address of
+    this machine (127.0.0.2, loopback too) reaches nothing, where every interface once did."""
+    server.init_communicator(transport="gloo", host="127.0.0.1")
+    try:
+        port = server.health()["group_port"]
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5)
+    finally:
+        server.close_communicator()
+
+
+# a handle as client.share_cuda writes it, of a 1 MiB buffer
+HANDLE = {
+    "offset": 0,
+    "device": 0,
+    "handle": "AAAA",
+    "storage_bytes": 1 << 20,
+    "storage_offset": 0,
+    "ref": base64.b64encode(b"/torch_4242_123456_0").decode(),
+    "ref_offset": 3,
+    "event": None,
+    "event_sync": False,
+    "gpu": "GPU-0",
+}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        # a worker would increment an int64 of any shared-memory file, at any offset
+        {"ref": base64.b64encode(b"/psm_other_program").decode()},
+        {"ref": base64.b64encode(b"/torch_1_2_3/../../x").decode()},
+        {"ref": "not base64!"},
+        {"ref_offset": 10**6},
+        {"ref_offset": -8},
+        # a buffer smaller than its bucket
+        {"storage_bytes": 1000},
+        {"offset": (1 << 20) - 100},
+        {"storage_offset": -1},
+    ],
+)
+def test_an_ipc_handle_naming_another_file_or_offset_is_refused(bad):
+    """server.check_handle on ipc handles (no GPU here: the route cannot reach it on the CPU)."""
+    server_module.check_handle(HANDLE, "ipc", 4096)
+    with pytest.raises(server_module.ApiError) as refused:
+        server_module.check_handle(HANDLE | bad, "ipc", 4096)
+    assert "ref" in refused.value.text
