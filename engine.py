@@ -22,8 +22,10 @@ a trainer imports without vLLM.
 
 import ast
 import asyncio
+import collections
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -71,6 +74,14 @@ class Engine:
         # vLLM 0.26: request id -> {completion index: [[version, first token]]} (version_spans)
         self.marks = {}
         self.tokenizer = self.llm.tokenizer
+        # --enable-lora: the adapters loaded, oldest first; the one new requests get (None: the
+        # base model alone); how many prompts in flight use each
+        self.loras = []
+        self.lora = None
+        self.lora_users = collections.Counter()
+        # their folders, in shared memory where there is one
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.lora_dir = tempfile.mkdtemp(prefix="async-grpo-lora-", dir=shm)
 
     @property
     def error(self) -> str | None:
@@ -103,10 +114,12 @@ class Engine:
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
+        lora = self.lora
+        self.lora_users[lora] += len(prompts)
         sampling = final_output_params(params)
         request_ids = [uuid.uuid4().hex for _ in prompts]
         tasks = [
-            asyncio.ensure_future(self._one(p, sampling, priority, version, request_id))
+            asyncio.ensure_future(self._one(p, sampling, priority, version, request_id, lora))
             for p, request_id in zip(prompts, request_ids)
         ]
         try:
@@ -118,18 +131,22 @@ class Engine:
             raise
         finally:
             self.in_flight -= len(prompts)
+            self.lora_users[lora] -= len(prompts)
             # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too
             marks = [self.marks.pop(request_id, {}) for request_id in request_ids]
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
+        # a request keeps the adapter it was admitted with to its end, whatever updates came
+        # since, and so its version: no marks
+        marks = [None if lora else m for m in marks]
         # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
         return [
             [completion(c, out.prompt_token_ids, params.logprobs, version, m) for c in out.outputs]
             for out, m in zip(outputs, marks)
         ]
 
-    async def _one(self, prompt, params, priority, version, request_id):
+    async def _one(self, prompt, params, priority, version, request_id, lora=None):
         """One prompt's request to vLLM, admitted at weights `version`: its finished output."""
         prompt = (
             {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
@@ -137,7 +154,9 @@ class Engine:
         # vLLM's prefix cache keyed by weight version: no request reuses the KV of other weights
         prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions
-        stream = self.llm.generate(prompt, params, request_id=request_id, priority=priority)
+        stream = self.llm.generate(
+            prompt, params, request_id=request_id, priority=priority, lora_request=lora
+        )
         return [out async for out in stream][-1]
 
     async def update_weights(
@@ -165,14 +184,14 @@ class Engine:
     async def paused(self, mode, drain_timeout, timeout):
         """One update at a time: close the gate, drain or pause the requests in flight (`mode`, as
         in update_weights) and yield the seconds that took; on the way out, resume the paused
-        requests and reopen the gate."""
+        requests and reopen the gate. `mode` None: neither (an adapter update, update_adapter)."""
         async with self.update_lock:
             self.gate.clear()
             start = time.perf_counter()
             try:
                 if mode == "drain":
                     await self.drain(drain_timeout)
-                else:
+                elif mode == "in-flight":
                     # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
                     # requests in flight where they are, then sleeps 20 ms so that outputs already
                     # sent are likely processed. We ask its engine core, and track_versions waits
@@ -183,7 +202,7 @@ class Engine:
                     await asyncio.wait_for(pause, timeout)
                 yield time.perf_counter() - start
             finally:
-                if mode != "drain" and not self.error:
+                if mode == "in-flight" and not self.error:
                     await asyncio.wait_for(self.llm.resume_generation(), timeout)
                 self.gate.set()
 
@@ -247,8 +266,52 @@ class Engine:
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             )
         self.version = version
+        # new base weights: an adapter trained on the old ones no longer applies
+        self.lora = None
         async with self.new_version:
             self.new_version.notify_all()
+
+    async def update_adapter(
+        self, files, mode="drain", drain_timeout=60.0, timeout=60.0, version=0
+    ):
+        """Serve a LoRA adapter (`files`: {name: bytes} of its PEFT folder) as the next version, or
+        `version` if higher; returns it and the seconds taken. The adapter gets a name and id of
+        its own: vLLM keys its prefix cache on the name (0.32: and path), so an adapter reloaded
+        under an old name would reuse KV of the old one. A request keeps the adapter it was
+        admitted with, which stays loaded: `mode` drain waits for the requests in flight, as for
+        full weights; in-flight pauses nothing, they go on with their adapter and version. A
+        ValueError, with nothing changed, if vLLM refuses the adapter."""
+        pause = "drain" if mode == "drain" else None
+        async with self.paused(pause, drain_timeout, timeout) as drain_s:
+            start = time.perf_counter()
+            version = max(self.version + 1, version)
+            folder = os.path.join(self.lora_dir, f"v{version}")
+            os.makedirs(folder)
+            for name, data in files.items():
+                with open(os.path.join(folder, name), "wb") as f:
+                    f.write(data)
+            lora = LoRARequest(f"adapter-v{version}", version, folder)
+            try:
+                await asyncio.wait_for(self.llm.add_lora(lora), timeout)
+            except Exception as e:
+                shutil.rmtree(folder)
+                raise ValueError(f"vLLM refused the adapter: {e}") from None
+            self.loras.append(lora)
+            self.lora = lora
+            self.version = version
+            await self.remove_old_adapters()
+            async with self.new_version:
+                self.new_version.notify_all()
+        return version, {"drain_s": drain_s, "load_s": time.perf_counter() - start}
+
+    async def remove_old_adapters(self):
+        """Remove the adapters older than the newest --max-loras that no request in flight uses
+        (vLLM would read one again from its folder); one in use goes at a later update."""
+        for lora in self.loras[: -self.args.max_loras]:
+            if not self.lora_users[lora]:
+                await self.llm.remove_lora(lora.lora_int_id)
+                shutil.rmtree(lora.lora_path)
+                self.loras.remove(lora)
 
     def fail_for_good(self, why):
         self.load_error = f"weights possibly mixed by a failed update: {why}"
@@ -312,8 +375,8 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
 
 def completion(c, prompt, k, version, marks) -> Completion:
     """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), admitted at
-    weights `version`."""
-    spans = version_spans(c, version, marks)
+    weights `version`; `marks` None: a LoRA request, of that version throughout."""
+    spans = [[version, 0]] if marks is None else version_spans(c, version, marks)
     logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
     top = top_logprobs(c.logprobs, k)
     sampled = list(c.token_ids)

@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,12 +27,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, Episode, load_function, model_error, tiny_model
+from client import DTYPES, TRANSPORTS, Episode, from_base64, load_function, model_error, tiny_model
 from engine import Engine, RolloutEngine, check_encodable, engine_args
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams, by type
@@ -254,6 +257,7 @@ async def health(request):
             "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
+            "max_lora_rank": state.flags.max_lora_rank if state.flags.enable_lora else 0,
         },
         status=503 if engine.error else 200,
     )
@@ -515,12 +519,10 @@ async def update_weights(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     buckets = check_buckets(body, state)
-    mode = body.get("mode", "drain")
-    if mode not in ("drain", "in-flight"):
-        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
-    # the version the new weights get, if higher than the next one: a trainer keeps several
-    # servers on one numbering, one of them restarted (its count began again at 0)
-    version = checked_field(body, "version", int, 0, 0, 2**53)
+    mode, version = update_mode(body)
+    # a LoRA request in flight would go on with its old adapter on the new base, under its label
+    if mode == "in-flight" and state.flags.enable_lora:
+        raise ApiError("with --enable-lora a full update drains: push with mode 'drain'")
     if not state.transport:
         raise ApiError("no weight sync set up: call /init_communicator first", 409)
     # resolved by the engine once the workers are told to receive
@@ -539,6 +541,16 @@ async def update_weights(request):
     await asyncio.wait([task])
     await answer.write(json.dumps(task.result()).encode() + b"\n")
     return answer
+
+
+def update_mode(body) -> tuple[str, int]:
+    """An update's `mode` and `version`, or a 400."""
+    mode = body.get("mode", "drain")
+    if mode not in ("drain", "in-flight"):
+        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
+    # the version the new weights get, if higher than the next one: a trainer keeps several
+    # servers on one numbering, one of them restarted (its count began again at 0)
+    return mode, checked_field(body, "version", int, 0, 0, 2**53)
 
 
 async def run_update(app, buckets, mode, ready, version) -> dict:
@@ -563,6 +575,58 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
         return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
     return {"version": version, **timings}
+
+
+async def update_adapter(request):
+    """A LoRA adapter as the next version (--enable-lora). Body: `adapter_config` (the JSON of
+    its adapter_config.json), `adapter_model` (base64 of its adapter_model.safetensors), `mode` and
+    `version` as for /update_weights (Engine.update_adapter says what the modes mean here); the
+    answer {"version", "drain_s", "load_s"} once it serves. 400 for an adapter the model cannot
+    take (check_adapter) or vLLM refuses, 409 without --enable-lora, 503 for a drain longer than
+    --drain-timeout: then nothing changed."""
+    body, state = await read_json(request), request.app[STATE]
+    if not state.flags.enable_lora:
+        raise ApiError("this server serves no adapters: start it with --enable-lora", 409)
+    config = checked_field(body, "adapter_config", dict)
+    mode, version = update_mode(body)
+    refused = f"adapter refused, version {request.app[ENGINE].version} kept"
+    try:
+        weights = from_base64(checked_field(body, "adapter_model", str))
+        check_adapter(config, load_safetensors(weights), state)
+    except (ValueError, SafetensorError) as e:
+        raise ApiError(f"{refused}: {e}") from None
+    files = {"adapter_config.json": json.dumps(config).encode()}
+    files["adapter_model.safetensors"] = weights
+    flags = state.flags
+    try:
+        version, timings = await request.app[ENGINE].update_adapter(
+            files, mode, flags.drain_timeout, flags.weight_sync_timeout, version
+        )
+    except TimeoutError as e:
+        raise ApiError(f"{refused}: {e}", 503) from None
+    except ValueError as e:
+        raise ApiError(f"{refused}: {e}") from None
+    return web.json_response({"version": version, **timings})
+
+
+def check_adapter(config, tensors, state):
+    """A ValueError unless the adapter fits the served model: its rank `r` at most
+    --max-lora-rank, its targets linear layers of the model's decoder layers, each lora_A of shape
+    (r, in) and lora_B (out, r), as their layer's weight is (out, in)."""
+    rank = config.get("r")
+    if not isinstance(rank, int) or not 1 <= rank <= state.flags.max_lora_rank:
+        raise ValueError(f"rank {rank}: this server takes 1..{state.flags.max_lora_rank}")
+    spec = state.weight_spec
+    linear = {name.split(".")[-2] for name in spec if ".layers." in name and len(spec[name]) == 2}
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not set(targets) <= linear:
+        raise ValueError(f"target_modules {targets}: this model's are a list of {sorted(linear)}")
+    for name, tensor in tensors.items():
+        layer, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+        out, inputs = spec.get(f"{layer}.weight", (None, None))
+        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(kind)
+        if list(tensor.shape) != expected:
+            raise ValueError(f"'{name}' has shape {list(tensor.shape)}; the model takes {expected}")
 
 
 async def close_communicator(request):
@@ -946,6 +1010,7 @@ def make_app(args, flags) -> web.Application:
         yield
         watcher.cancel()
         engine.llm.shutdown()
+        shutil.rmtree(engine.lora_dir)
 
     app.on_shutdown.append(stop_requests)
     app.cleanup_ctx.append(engine_ctx)
@@ -962,6 +1027,7 @@ ROUTES = [
     web.post("/init_communicator", init_communicator),
     web.post("/update_weights", update_weights),
     web.post("/close_communicator", close_communicator),
+    web.post("/update_adapter", update_adapter),
     web.get("/metrics", make_aiohttp_handler()),
     web.get("/v1/models", models),
     web.post("/v1/completions", openai_completion),
@@ -990,6 +1056,11 @@ def add_engine_flags(g):
     g.add_argument("--seed", type=int, default=0, help="engine seed")
     # default: on CPU only
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="no compiling")
+    # LoRA adapters pushed to /update_adapter: --max-loras >= the trainer's staleness + 2 keeps
+    # loaded every adapter a request in flight may use, and the one loading
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (vLLM's)")
+    g.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once")
 
 
 def add_http_flags(g):
