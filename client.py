@@ -560,9 +560,9 @@ class Client(AbortsOnError):
         # a set in the config (target_modules) is a list in JSON
         config = model.peft_config[model.active_adapter].to_dict()
         config = json.loads(json.dumps(config, default=sorted))
-        tensors = get_peft_model_state_dict(model).items()
-        tensors = {name: t.detach().cpu().contiguous() for name, t in tensors}
-        body = {"adapter_config": config, "adapter_model": to_base64(save(tensors))}
+        # safetensors' save copies GPU tensors to the CPU itself
+        tensors = to_base64(save(get_peft_model_state_dict(model)))
+        body = {"adapter_config": config, "adapter_model": tensors}
         body |= {"mode": mode, "version": version}
         self.last_update = self._request("POST", "/update_adapter", body)
         return self.last_update["version"]

@@ -23,6 +23,7 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import shutil
@@ -78,10 +79,11 @@ class Engine:
         # base model alone); how many prompts in flight use each
         self.loras = []
         self.lora = None
+        self.lora_ids = itertools.count(1)
         self.lora_users = collections.Counter()
-        # their folders, in shared memory where there is one
+        # their folders, in shared memory where there is one; removed as the process exits
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.lora_dir = tempfile.mkdtemp(prefix="async-grpo-lora-", dir=shm)
+        self.lora_dir = tempfile.TemporaryDirectory(prefix="async-grpo-lora-", dir=shm)
 
     @property
     def error(self) -> str | None:
@@ -132,14 +134,12 @@ class Engine:
         finally:
             self.in_flight -= len(prompts)
             self.lora_users[lora] -= len(prompts)
-            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too
-            marks = [self.marks.pop(request_id, {}) for request_id in request_ids]
+            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too. None:
+            # a request keeps the adapter it was admitted with to its end, and so its version
+            marks = [None if lora else self.marks.pop(request_id, {}) for request_id in request_ids]
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
-        # a request keeps the adapter it was admitted with to its end, whatever updates came
-        # since, and so its version: no marks
-        marks = [None if lora else m for m in marks]
         # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
         return [
             [completion(c, out.prompt_token_ids, params.logprobs, version, m) for c in out.outputs]
@@ -271,38 +271,37 @@ class Engine:
         async with self.new_version:
             self.new_version.notify_all()
 
-    async def update_adapter(
-        self, files, mode="drain", drain_timeout=60.0, timeout=60.0, version=0
-    ):
+    async def update_adapter(self, files, mode, drain_timeout, timeout, version=0):
         """Serve a LoRA adapter (`files`: {name: bytes} of its PEFT folder) as the next version, or
-        `version` if higher; returns it and the seconds taken. The adapter gets a name and id of
+        `version` if higher; returns it. Each adapter gets a name and id of
         its own: vLLM keys its prefix cache on the name (0.32: and path), so an adapter reloaded
         under an old name would reuse KV of the old one. A request keeps the adapter it was
         admitted with, which stays loaded: `mode` drain waits for the requests in flight, as for
         full weights; in-flight pauses nothing, they go on with their adapter and version. A
-        ValueError, with nothing changed, if vLLM refuses the adapter."""
-        pause = "drain" if mode == "drain" else None
-        async with self.paused(pause, drain_timeout, timeout) as drain_s:
-            start = time.perf_counter()
-            version = max(self.version + 1, version)
-            folder = os.path.join(self.lora_dir, f"v{version}")
-            os.makedirs(folder)
-            for name, data in files.items():
-                with open(os.path.join(folder, name), "wb") as f:
-                    f.write(data)
-            lora = LoRARequest(f"adapter-v{version}", version, folder)
-            try:
-                await asyncio.wait_for(self.llm.add_lora(lora), timeout)
-            except Exception as e:
-                shutil.rmtree(folder)
-                raise ValueError(f"vLLM refused the adapter: {e}") from None
-            self.loras.append(lora)
+        ValueError if vLLM refuses the adapter, a TimeoutError if the drain outlasts
+        `drain_timeout`: with nothing changed either way."""
+        lora_id = next(self.lora_ids)
+        folder = os.path.join(self.lora_dir.name, str(lora_id))
+        os.makedirs(folder)
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
+        # nothing drained, and the requests in flight have adapters of their own
+        lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)
+        try:
+            await asyncio.wait_for(self.llm.add_lora(lora), timeout)
+        except Exception as e:
+            shutil.rmtree(folder)
+            raise ValueError(f"vLLM refused the adapter: {e}") from None
+        self.loras.append(lora)
+        async with self.paused("drain" if mode == "drain" else None, drain_timeout, timeout):
             self.lora = lora
-            self.version = version
+            self.version = max(self.version + 1, version)
             await self.remove_old_adapters()
             async with self.new_version:
                 self.new_version.notify_all()
-        return version, {"drain_s": drain_s, "load_s": time.perf_counter() - start}
+        return self.version
 
     async def remove_old_adapters(self):
         """Remove the adapters older than the newest --max-loras that no request in flight uses

@@ -33,6 +33,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from statistics import mean
 
 import torch
@@ -905,18 +906,15 @@ def load_policy(cfg):
         return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
     alpha = cfg.lora_alpha or 2 * cfg.lora_rank
     targets = cfg.lora_targets.split(",")
-    return get_peft_model(
-        model, LoraConfig(r=cfg.lora_rank, lora_alpha=alpha, target_modules=targets)
-    )
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=alpha, target_modules=targets)
+    return get_peft_model(model, config)
 
 
 def adapter_config(path) -> dict:
     """The adapter_config.json of a LoRA adapter's folder (a --lora-rank run's checkpoint), or
     {}."""
-    if not os.path.exists(os.path.join(path, "adapter_config.json")):
-        return {}
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        return json.load(f)
+    file = Path(path, "adapter_config.json")
+    return json.loads(file.read_text()) if file.exists() else {}
 
 
 def base_model(path):

@@ -126,8 +126,8 @@ def tamper(model, kind):
 @pytest.mark.parametrize(
     "rank, targets, kind, word",
     [
-        (16, TARGETS, "", "rank 16"),
-        (8, ["q_proj", "embed_tokens"], "", "target_modules"),
+        (16, TARGETS, "", "max_lora_rank 8"),
+        (8, ["q_proj", "embed_tokens"], "", "target modules"),
         (8, TARGETS, "shape", "shape [8, 64]"),
     ],
 )
