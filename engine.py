@@ -23,7 +23,6 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import collections
-import itertools
 import logging
 import os
 import shutil
@@ -79,7 +78,6 @@ class Engine:
         # base model alone); how many prompts in flight use each
         self.loras = []
         self.lora = None
-        self.lora_ids = itertools.count(1)
         self.lora_users = collections.Counter()
         # their folders, in shared memory where there is one; removed as the process exits
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -280,7 +278,8 @@ class Engine:
         full weights; in-flight pauses nothing, they go on with their adapter and version. A
         ValueError if vLLM refuses the adapter, a TimeoutError if the drain outlasts
         `drain_timeout`: with nothing changed either way."""
-        lora_id = next(self.lora_ids)
+        # unique, as vLLM asks of a LoRARequest's id (a random 56-bit one)
+        lora_id = uuid.uuid4().int >> 72
         folder = os.path.join(self.lora_dir.name, str(lora_id))
         os.makedirs(folder)
         for name, data in files.items():

@@ -8,9 +8,11 @@
    in the request's body, Client.update_adapter): wall seconds per push, median (min-max) of
    --rounds after one warm-up, the bytes each sends, and their ratio.
 2. transfer: the adapter's way (in the body, measured end to end: HTTP, the folder written to
-   /dev/shm, vLLM's add_lora, the version bumped) against what the other way would cost at the
-   least: the adapter's bytes broadcast through the weight transport (gloo or NCCL, between two
-   processes) plus the workers writing the folder, without the RPC and add_lora it also needs.
+   /dev/shm, vLLM's add_lora, the version bumped) against an estimate of the other way, the
+   adapter's tensors through the weight transport into the workers, which write the folder: the
+   full push's time (its HTTP, collective_rpc, receive and load) less its bytes' broadcast, plus
+   the adapter's bytes' broadcast (raw, between two processes) and the folder's writing; its
+   add_lora is not counted.
 3. GRPO step: train.train for --steps steps of the addition task with every weight trained and
    pushed, then with a LoRA adapter (--lora-rank): seconds per step, median (min-max) of all
    steps but the first, with their train and sync parts.
@@ -115,16 +117,21 @@ def push_figures(client, base, a):
     print(f"               LoRA {spread(adapter_push)}  {adapter_bytes / 1e6:.2f} MB in the body")
     times = statistics.median(full_push) / statistics.median(adapter_push)
     print(f"               full / LoRA: {times:.1f}x the time, {full_bytes / adapter_bytes:.0f}x")
+    transport = client.transport
     client.close_communicator()
-    # the other way: the adapter's bytes through the weight transport, then the folder
-    transport = "nccl" if a.device.startswith("cuda") else "gloo"
-    broadcast = raw_broadcast_seconds(adapter_bytes, a.rounds, a.device, a.device) * 1e3
+    # the other way: a full push's machinery (HTTP, collective_rpc, receive, load) carrying the
+    # adapter's bytes instead of the model's, then the workers write the folder (and add_lora)
+    device = "cpu" if transport == "gloo" else a.device
+    sent_full = raw_broadcast_seconds(full_bytes, a.rounds, device, device) * 1e3
+    sent_adapter = raw_broadcast_seconds(adapter_bytes, a.rounds, device, device) * 1e3
     write = statistics.median(folder_write_seconds(adapter, a.rounds)) * 1e3
+    other = statistics.median(full_push) * 1e3 - sent_full + sent_adapter + write
     body = statistics.median(adapter_push) * 1e3
-    print(f"transfer, ms   in the body, end to end {body:.1f}")
+    print(f"transfer, ms   in the body, end to end (add_lora included): {body:.1f}")
     print(
-        f"               through {transport}, at least {broadcast + write:.1f} = broadcast "
-        f"{broadcast:.1f} + folder write {write:.1f} (+ an RPC and add_lora)"
+        f"               through {transport}, estimated {other:.1f} (add_lora not included) = "
+        f"the full push {statistics.median(full_push) * 1e3:.1f} - its bytes {sent_full:.1f} + "
+        f"the adapter's {sent_adapter:.1f} + the folder written {write:.1f}"
     )
 
 
@@ -132,6 +139,10 @@ def step_figures(client, base, a, work):
     """3: GRPO steps, full against LoRA."""
     steps = {}
     for name, rank in (("full", 0), ("LoRA", a.rank)):
+        # the base weights back: the full run trained the server's
+        client.init_communicator(device=a.device)
+        client.update_model_params(AutoModelForCausalLM.from_pretrained(base).to(a.device))
+        client.close_communicator()
         steps[name] = step_seconds(client, base, a, os.path.join(work, name), rank)
         shown = "  ".join(f"{part} {spread(t, 1)}" for part, t in steps[name].items())
         print(f"GRPO step, s   {name:<4} {shown}")
