@@ -23,6 +23,7 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import collections
+import json
 import logging
 import os
 import shutil
@@ -32,6 +33,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -269,8 +271,9 @@ class Engine:
         async with self.new_version:
             self.new_version.notify_all()
 
-    async def update_adapter(self, files, mode, drain_timeout, timeout, version=0):
-        """Serve a LoRA adapter (`files`: {name: bytes} of its PEFT folder) as the next version, or
+    async def update_adapter(self, config, weights, mode, drain_timeout, timeout, version=0):
+        """Serve a LoRA adapter (`config`: its adapter_config.json's, `weights`: its
+        adapter_model.safetensors file, as PEFT saves them) as the next version, or
         `version` if higher; returns it. Each adapter gets a name and id of
         its own: vLLM keys its prefix cache on the name (0.32: and path), so an adapter reloaded
         under an old name would reuse KV of the old one. A request keeps the adapter it was
@@ -282,9 +285,8 @@ class Engine:
         lora_id = uuid.uuid4().int >> 72
         folder = os.path.join(self.lora_dir.name, str(lora_id))
         os.makedirs(folder)
-        for name, data in files.items():
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(data)
+        Path(folder, "adapter_config.json").write_text(json.dumps(config))
+        Path(folder, "adapter_model.safetensors").write_bytes(weights)
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)

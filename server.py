@@ -591,11 +591,10 @@ async def update_adapter(request):
     # binascii's, safetensors' or check_adapter's
     except Exception as e:
         raise ApiError(f"{refused}: {e}") from None
-    files = {"adapter_config.json": json.dumps(config).encode()}
-    files["adapter_model.safetensors"] = weights
-    timeouts = state.flags.drain_timeout, state.flags.weight_sync_timeout
+    # the drain's and the load's
+    limits = state.flags.drain_timeout, state.flags.weight_sync_timeout
     try:
-        version = await request.app[ENGINE].update_adapter(files, mode, *timeouts, version)
+        version = await request.app[ENGINE].update_adapter(config, weights, mode, *limits, version)
     except (TimeoutError, ValueError) as e:
         raise ApiError(f"{refused}: {e}", 503 if isinstance(e, TimeoutError) else 400) from None
     return web.json_response({"version": version})

@@ -293,7 +293,9 @@ class Rollouts:
 
     def connect(self):
         """Set weight sync up, push our weights, and leave the queued steps to be submitted."""
-        self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
+        # an adapter goes in an HTTP body: no weight sync to set up
+        if not self.cfg.lora_rank:
+            self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
         self.version = self.client.update_model_params(self.weights)
         for queued in self.queue:
             queued.requests = None

@@ -1,6 +1,7 @@
 """LoRA against full fine-tuning, side by side in one run, on one server started with --enable-lora:
 
     .venv/bin/python bench/lora.py                             # CPU: the tiny model
+    .venv/bin/python bench/lora.py --server-url http://127.0.0.1:8000 --rounds 1 --steps 2
     python3 bench/lora.py --device cuda --model-size 0.5b      # one GPU: Qwen2.5-0.5B's shape
 
 1. push: Client.update_model_params of the model in full (over gloo on the CPU, CUDA IPC on the
@@ -38,7 +39,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from weight_sync import raw_broadcast_seconds  # noqa: E402
 
 import train  # noqa: E402
-from client import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
+from client import SHAPES, TINY_MODEL_DIR, Client, launch_server, stop_server, tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -52,15 +53,18 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per side")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8, help="completion length limit")
+    p.add_argument(
+        "--server-url", help="a server on the model with --enable-lora (else one starts)"
+    )
     a = p.parse_args(argv)
     a.model_size = a.model_size or ("0.5b" if a.device.startswith("cuda") else "tiny")
     return a
 
 
-def spread(times, unit=1e3):
+def spread(times, unit=1e3, digits=1):
     """median (min-max), in ms by default."""
     t = sorted(x * unit for x in times)
-    return f"{statistics.median(t):8.1f} ({t[0]:.1f}-{t[-1]:.1f})"
+    return f"{statistics.median(t):.{digits}f} ({t[0]:.{digits}f}-{t[-1]:.{digits}f})"
 
 
 def push_seconds(client, model, rounds):
@@ -144,7 +148,7 @@ def step_figures(client, base, a, work):
         client.update_model_params(AutoModelForCausalLM.from_pretrained(base).to(a.device))
         client.close_communicator()
         steps[name] = step_seconds(client, base, a, os.path.join(work, name), rank)
-        shown = "  ".join(f"{part} {spread(t, 1)}" for part, t in steps[name].items())
+        shown = "  ".join(f"{part} {spread(t, 1, 3)}" for part, t in steps[name].items())
         print(f"GRPO step, s   {name:<4} {shown}")
     times = statistics.median(steps["full"]["step_s"]) / statistics.median(steps["LoRA"]["step_s"])
     print(f"               full / LoRA: {times:.2f}x the step time")
@@ -159,12 +163,16 @@ def main(argv=None):
     lora = ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "4"]
     work = tempfile.mkdtemp(prefix="bench-lora-")
     log = os.path.join(work, "server.log")
-    proc, client = launch_server("--model", base, *lora, *gpu, log_path=log)
+    if a.server_url:
+        proc, client = None, Client(a.server_url)
+    else:
+        proc, client = launch_server("--model", base, *lora, *gpu, log_path=log)
     try:
         push_figures(client, base, a)
         step_figures(client, base, a, work)
     finally:
-        stop_server(proc)
+        if proc:
+            stop_server(proc)
 
 
 if __name__ == "__main__":
