@@ -9,7 +9,8 @@ In reading order:
    pauses) the requests in flight; `load` has every worker receive the buckets, then load them;
    `bump` labels the new version; leaving `paused` reopens the gate. An update is atomic: it bumps
    the version, or keeps the old weights and version, or the engine fails for good and the server
-   exits.
+   exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the next version instead,
+   and each request keeps the adapter it was admitted with.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.

@@ -5,7 +5,8 @@
 
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
-routes set up a transport and load versioned updates; /health and /metrics. docs/http.md lists
+routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
+--enable-lora); /health and /metrics. docs/http.md lists
 every field. Every mistake of the caller is a 4xx with {"error": message}.
 """
 
