@@ -1325,10 +1325,11 @@ def launch(cfg, k):
     flags = ["--model", base_model(cfg.model), "--dtype", cfg.dtype or "float32"]
     flags += ["--seed", str(cfg.seed), "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.lora_rank:
-        # vLLM's ranks: 1, 8, 16, 32, ...; every version a step in flight may sample stays loaded
+        # vLLM's ranks: 1, 8, 16, 32, ...; every version a step in flight may sample stays loaded;
+        # an adapter travels in a request's body (0.5B, rank 8: 24 MB of base64)
         rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= cfg.lora_rank)
         flags += ["--enable-lora", "--max-lora-rank", str(rank)]
-        flags += ["--max-loras", str(cfg.max_staleness + 2)]
+        flags += ["--max-loras", str(cfg.max_staleness + 2), "--max-body-mb", "1024"]
     gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
     log = os.path.join(cfg.out, f"server{k}.log")
     return launch_server(*flags, *shlex.split(cfg.server_args), log_path=log, env=os.environ | gpu)

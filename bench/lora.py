@@ -125,9 +125,13 @@ def push_figures(client, base, a):
     client.close_communicator()
     # the other way: a full push's machinery (HTTP, collective_rpc, receive, load) carrying the
     # adapter's bytes instead of the model's, then the workers write the folder (and add_lora)
-    device = "cpu" if transport == "gloo" else a.device
-    sent_full = raw_broadcast_seconds(full_bytes, a.rounds, device, device) * 1e3
-    sent_adapter = raw_broadcast_seconds(adapter_bytes, a.rounds, device, device) * 1e3
+    if transport == "ipc":
+        # one GPU: the workers copy from the trainer's buffer (and NCCL refuses two ranks there)
+        sent_full = sent_adapter = 0.0
+    else:
+        device = "cpu" if transport == "gloo" else a.device
+        sent_full = raw_broadcast_seconds(full_bytes, a.rounds, device, device) * 1e3
+        sent_adapter = raw_broadcast_seconds(adapter_bytes, a.rounds, device, device) * 1e3
     write = statistics.median(folder_write_seconds(adapter, a.rounds)) * 1e3
     other = statistics.median(full_push) * 1e3 - sent_full + sent_adapter + write
     body = statistics.median(adapter_push) * 1e3
@@ -161,6 +165,8 @@ def main(argv=None):
     gpu = ["--gpu-memory-utilization", "0.3"] if a.device.startswith("cuda") else []
     max_rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= a.rank)
     lora = ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "4"]
+    # the adapter travels in a request's body: 24 MB of base64 at 0.5B, rank 8
+    lora += ["--max-body-mb", "1024"]
     work = tempfile.mkdtemp(prefix="bench-lora-")
     log = os.path.join(work, "server.log")
     if a.server_url:
