@@ -9,7 +9,8 @@ In reading order:
    pauses) the requests in flight; `load` has every worker receive the buckets, then load them;
    `bump` labels the new version; leaving `paused` reopens the gate. An update is atomic: it bumps
    the version, or keeps the old weights and version, or the engine fails for good and the server
-   exits.
+   exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the next version instead,
+   and each request keeps the adapter it was admitted with.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -22,9 +23,12 @@ a trainer imports without vLLM.
 
 import ast
 import asyncio
+import collections
+import json
 import logging
 import os
 import select
+import shutil
 import signal
 import tempfile
 import threading
@@ -32,11 +36,13 @@ import time
 import uuid
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -73,6 +79,14 @@ class Engine:
         # vLLM 0.26: request id -> {completion index: [[version, first token]]} (version_spans)
         self.marks = {}
         self.tokenizer = self.llm.tokenizer
+        # --enable-lora: the adapters loaded, oldest first; the one new requests get (None: the
+        # base model alone); how many prompts in flight use each
+        self.loras = []
+        self.lora = None
+        self.lora_users = collections.Counter()
+        # their folders, in shared memory where there is one; removed as the process exits
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.lora_dir = tempfile.TemporaryDirectory(prefix="async-grpo-lora-", dir=shm)
 
     @property
     def error(self) -> str | None:
@@ -106,10 +120,12 @@ class Engine:
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
         version, self.in_flight = self.version, self.in_flight + len(prompts)
+        lora = self.lora
+        self.lora_users[lora] += len(prompts)
         sampling = final_output_params(params)
         request_ids = [uuid.uuid4().hex for _ in prompts]
         tasks = [
-            asyncio.ensure_future(self._one(p, sampling, priority, version, request_id))
+            asyncio.ensure_future(self._one(p, sampling, priority, version, request_id, lora))
             for p, request_id in zip(prompts, request_ids)
         ]
         try:
@@ -121,8 +137,10 @@ class Engine:
             raise
         finally:
             self.in_flight -= len(prompts)
-            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too
-            marks = [self.marks.pop(request_id, {}) for request_id in request_ids]
+            self.lora_users[lora] -= len(prompts)
+            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too. None:
+            # a request keeps the adapter it was admitted with to its end, and so its version
+            marks = [None if lora else self.marks.pop(request_id, {}) for request_id in request_ids]
             if self.in_flight == 0:
                 async with self.idle:
                     self.idle.notify_all()
@@ -132,7 +150,7 @@ class Engine:
             for out, m in zip(outputs, marks)
         ]
 
-    async def _one(self, prompt, params, priority, version, request_id):
+    async def _one(self, prompt, params, priority, version, request_id, lora=None):
         """One prompt's request to vLLM, admitted at weights `version`: its finished output."""
         prompt = (
             {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
@@ -140,7 +158,9 @@ class Engine:
         # vLLM's prefix cache keyed by weight version: no request reuses the KV of other weights
         prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions
-        stream = self.llm.generate(prompt, params, request_id=request_id, priority=priority)
+        stream = self.llm.generate(
+            prompt, params, request_id=request_id, priority=priority, lora_request=lora
+        )
         return [out async for out in stream][-1]
 
     async def update_weights(
@@ -168,14 +188,14 @@ class Engine:
     async def paused(self, mode, drain_timeout, timeout):
         """One update at a time: close the gate, drain or pause the requests in flight (`mode`, as
         in update_weights) and yield the seconds that took; on the way out, resume the paused
-        requests and reopen the gate."""
+        requests and reopen the gate. `mode` None: neither (an adapter update, update_adapter)."""
         async with self.update_lock:
             self.gate.clear()
             start = time.perf_counter()
             try:
                 if mode == "drain":
                     await self.drain(drain_timeout)
-                else:
+                elif mode == "in-flight":
                     # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
                     # requests in flight where they are, then sleeps 20 ms so that outputs already
                     # sent are likely processed. We ask its engine core, and track_versions waits
@@ -186,7 +206,7 @@ class Engine:
                     await asyncio.wait_for(pause, timeout)
                 yield time.perf_counter() - start
             finally:
-                if mode != "drain" and not self.error:
+                if mode == "in-flight" and not self.error:
                     await asyncio.wait_for(self.llm.resume_generation(), timeout)
                 self.gate.set()
 
@@ -250,8 +270,52 @@ class Engine:
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             )
         self.version = version
+        # new base weights: an adapter trained on the old ones no longer applies
+        self.lora = None
         async with self.new_version:
             self.new_version.notify_all()
+
+    async def update_adapter(self, config, weights, mode, drain_timeout, timeout, version=0):
+        """Serve a LoRA adapter (`config`: its adapter_config.json's, `weights`: its
+        adapter_model.safetensors file, as PEFT saves them) as the next version, or
+        `version` if higher; returns it. Each adapter gets a name and id of
+        its own: vLLM keys its prefix cache on the name (0.32: and path), so an adapter reloaded
+        under an old name would reuse KV of the old one. A request keeps the adapter it was
+        admitted with, which stays loaded: `mode` drain waits for the requests in flight, as for
+        full weights; in-flight pauses nothing, they go on with their adapter and version. A
+        ValueError if vLLM refuses the adapter, a TimeoutError if the drain outlasts
+        `drain_timeout`: with nothing changed either way."""
+        # unique, as vLLM asks of a LoRARequest's id (a random 56-bit one)
+        lora_id = uuid.uuid4().int >> 72
+        folder = os.path.join(self.lora_dir.name, str(lora_id))
+        os.makedirs(folder)
+        Path(folder, "adapter_config.json").write_text(json.dumps(config))
+        Path(folder, "adapter_model.safetensors").write_bytes(weights)
+        # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
+        # nothing drained, and the requests in flight have adapters of their own
+        lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)
+        try:
+            await asyncio.wait_for(self.llm.add_lora(lora), timeout)
+        except Exception as e:
+            shutil.rmtree(folder)
+            raise ValueError(f"vLLM refused the adapter: {e}") from None
+        self.loras.append(lora)
+        async with self.paused("drain" if mode == "drain" else None, drain_timeout, timeout):
+            self.lora = lora
+            self.version = max(self.version + 1, version)
+            await self.remove_old_adapters()
+            async with self.new_version:
+                self.new_version.notify_all()
+        return self.version
+
+    async def remove_old_adapters(self):
+        """Remove the adapters older than the newest --max-loras that no request in flight uses
+        (vLLM would read one again from its folder); one in use goes at a later update."""
+        for lora in self.loras[: -self.args.max_loras]:
+            if not self.lora_users[lora]:
+                await self.llm.remove_lora(lora.lora_int_id)
+                shutil.rmtree(lora.lora_path)
+                self.loras.remove(lora)
 
     def fail_for_good(self, why):
         self.load_error = f"weights possibly mixed by a failed update: {why}"
@@ -315,8 +379,8 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
 
 def completion(c, prompt, k, version, marks) -> Completion:
     """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), admitted at
-    weights `version`."""
-    spans = version_spans(c, version, marks)
+    weights `version`; `marks` None: a LoRA request, of that version throughout."""
+    spans = [[version, 0]] if marks is None else version_spans(c, version, marks)
     logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
     top = top_logprobs(c.logprobs, k)
     sampled = list(c.token_ids)

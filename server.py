@@ -5,7 +5,8 @@
 
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
-routes set up a transport and load versioned updates; /health and /metrics. docs/http.md lists
+routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
+--enable-lora); /health and /metrics. docs/http.md lists
 every field. Every mistake of the caller is a 4xx with {"error": message}.
 """
 
@@ -30,12 +31,13 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
+from safetensors.torch import load as load_safetensors
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, Episode, load_function, model_error, tiny_model
+from client import DTYPES, TRANSPORTS, Episode, from_base64, load_function, model_error, tiny_model
 from engine import Engine, RolloutEngine, check_encodable, engine_args
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams, by type
@@ -577,12 +579,10 @@ async def update_weights(request):
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     buckets = check_buckets(body, state)
-    mode = body.get("mode", "drain")
-    if mode not in ("drain", "in-flight"):
-        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
-    # the version the new weights get, if higher than the next one: a trainer keeps several
-    # servers on one numbering, one of them restarted (its count began again at 0)
-    version = checked_field(body, "version", int, 0, 0, 2**53)
+    mode, version = update_mode(body)
+    # a LoRA request in flight would go on with its old adapter on the new base, under its label
+    if mode == "in-flight" and state.flags.enable_lora:
+        raise ApiError("with --enable-lora a full update drains: push with mode 'drain'")
     if not state.transport:
         raise ApiError("no weight sync set up: call /init_communicator first", 409)
     # resolved by the engine once the workers are told to receive
@@ -601,6 +601,16 @@ async def update_weights(request):
     await asyncio.wait([task])
     await answer.write(json.dumps(task.result()).encode() + b"\n")
     return answer
+
+
+def update_mode(body) -> tuple[str, int]:
+    """An update's `mode` and `version`, or a 400."""
+    mode = body.get("mode", "drain")
+    if mode not in ("drain", "in-flight"):
+        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
+    # the version the new weights get, if higher than the next one: a trainer keeps several
+    # servers on one numbering, one of them restarted (its count began again at 0)
+    return mode, checked_field(body, "version", int, 0, 0, 2**53)
 
 
 async def run_update(app, buckets, mode, ready, version) -> dict:
@@ -625,6 +635,48 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
         return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
     return {"version": version, **timings}
+
+
+async def update_adapter(request):
+    """A LoRA adapter as the next version (--enable-lora). Body: `adapter_config` (the JSON of
+    its adapter_config.json), `adapter_model` (base64 of its adapter_model.safetensors), `mode` and
+    `version` as for /update_weights (Engine.update_adapter says what the modes mean here); the
+    answer {"version"} once it serves. 400 for an adapter the model cannot
+    take (check_adapter) or vLLM refuses (a server without --enable-lora too), 503 for a drain
+    longer than --drain-timeout: then nothing changed."""
+    body, state = await read_json(request), request.app[STATE]
+    config = checked_field(body, "adapter_config", dict)
+    mode, version = update_mode(body)
+    refused = f"adapter refused, version {request.app[ENGINE].version} kept"
+    try:
+        weights = from_base64(checked_field(body, "adapter_model", str))
+        check_adapter(config, load_safetensors(weights), state)
+    # binascii's, safetensors' or check_adapter's
+    except Exception as e:
+        raise ApiError(f"{refused}: {e}") from None
+    # the drain's and the load's
+    limits = state.flags.drain_timeout, state.flags.weight_sync_timeout
+    try:
+        version = await request.app[ENGINE].update_adapter(config, weights, mode, *limits, version)
+    except (TimeoutError, ValueError) as e:
+        raise ApiError(f"{refused}: {e}", 503 if isinstance(e, TimeoutError) else 400) from None
+    return web.json_response({"version": version})
+
+
+def check_adapter(config, tensors, state):
+    """A ValueError unless each lora_A of the adapter is of shape (r, in) and each lora_B (out, r),
+    as their layer's weight is (out, in): vLLM loads wrong shapes without a word, and checks the
+    rest itself (Engine.update_adapter)."""
+    rank = config.get("r")
+    for name, tensor in tensors.items():
+        layer, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+        out, inputs = state.weight_spec.get(f"{layer}.weight", (None, None))
+        # another kind (lora_embedding_A, ...): vLLM refuses what it does not take
+        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(
+            kind, list(tensor.shape)
+        )
+        if list(tensor.shape) != expected:
+            raise ValueError(f"'{name}' has shape {list(tensor.shape)}; the model takes {expected}")
 
 
 async def close_communicator(request):
@@ -1045,6 +1097,7 @@ ROUTES = [
     web.post("/init_communicator", init_communicator),
     web.post("/update_weights", update_weights),
     web.post("/close_communicator", close_communicator),
+    web.post("/update_adapter", update_adapter),
     web.get("/metrics", make_aiohttp_handler()),
     web.get("/v1/models", models),
     web.post("/v1/completions", openai_completion),
@@ -1073,6 +1126,11 @@ def add_engine_flags(g):
     g.add_argument("--seed", type=int, default=0, help="engine seed")
     # default: on CPU only
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, help="no compiling")
+    # LoRA adapters pushed to /update_adapter: --max-loras >= the trainer's staleness + 2 keeps
+    # loaded every adapter a request in flight may use, and the one loading
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (vLLM's)")
+    g.add_argument("--max-loras", type=int, default=4, help="adapters loaded at once")
 
 
 def add_http_flags(g):

@@ -34,6 +34,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from statistics import mean
 
 import torch
@@ -103,6 +104,11 @@ class Config:
       logprobs of the samples it skips (groups whose rewards are all equal), so that mismatch_*
       and is_weight_* cover every sampled token of the step, on every rank; other steps measure
       the tokens trained on.
+    --lora-rank R: train a LoRA adapter of rank R (peft; scaled by --lora-alpha, default 2R) on
+      the --lora-targets layers of the frozen model; the optimizer holds the adapter alone, each
+      push sends it alone (Client.update_adapter), and a server train.py starts serves it
+      (--enable-lora, --max-loras K + 2); the checkpoint is the adapter, resumed and evaluated as
+      one (--resume, --eval-only --model CHECKPOINT).
     --eval-*: held-out prompts, taken from the data and never trained on, scored with the task's
       reward, every sample saved to eval_samples.jsonl: pass@k (unbiased, from --eval-n samples)
       and maj@k (the most common final answer of the first k samples is right: majority_correct)
@@ -155,6 +161,10 @@ class Config:
     is_cap: float = flag(2.0, "cap of the importance weights of stale tokens (TIS)")
     mismatch_warning: float = flag(0.05, "mean trainer-server logprob difference that warns")
     mismatch_every: int = flag(10, "measure the mismatch on every sample every K steps", at_least=1)
+    # LoRA
+    lora_rank: int = flag(0, "R: train a LoRA adapter of rank R (0: every weight)", at_least=0)
+    lora_alpha: int = flag(0, "LoRA scale alpha / R (0: alpha = 2R)", at_least=0)
+    lora_targets: str = flag("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "layers")
     # evaluation
     eval_only: bool = flag(False, "evaluate --model (else --server-url's weights) and exit")
     eval_every: int = flag(0, "evaluate every K steps and at the end (0: never)", at_least=0)
@@ -201,6 +211,8 @@ class Config:
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
+        # a LoRA run's checkpoint is an adapter
+        self.lora_rank = self.lora_rank or adapter_config(self.model).get("r", 0)
 
 
 def parse_config(argv=None) -> Config:
@@ -299,7 +311,9 @@ class Rollouts:
 
     def connect(self):
         """Set weight sync up, push our weights, and leave the queued steps to be submitted."""
-        self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
+        # an adapter goes in an HTTP body: no weight sync to set up
+        if not self.cfg.lora_rank:
+            self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
         self.version = self.client.update_model_params(self.weights)
         for queued in self.queue:
             queued.requests = None
@@ -863,7 +877,7 @@ def make_model(cfg, probe=None):
     norm, head) the root. `probe`: (tokenizer, text) for check_logprobs (rank 0 checks, before the
     model is sharded)."""
     lead("start", cfg)
-    model = load_model(cfg.model, cfg.device)
+    model = load_policy(cfg)
     if probe:
         check_logprobs(model, *probe)
     if cfg.gradient_checkpointing:
@@ -872,7 +886,37 @@ def make_model(cfg, probe=None):
         model.train()
     if dist.is_initialized():
         shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # with --lora-rank, the adapter's parameters alone
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0)
+
+
+def load_policy(cfg):
+    """--model to train or evaluate on --device; with --lora-rank wrapped by peft, with the
+    adapter of --model if it is one, else a new one (lora_B = 0: the model's own outputs)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model = load_model(base_model(cfg.model), cfg.device)
+    if not cfg.lora_rank:
+        return model
+    if adapter_config(cfg.model):
+        return PeftModel.from_pretrained(model, cfg.model, is_trainable=True)
+    alpha = cfg.lora_alpha or 2 * cfg.lora_rank
+    targets = cfg.lora_targets.split(",")
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=alpha, target_modules=targets)
+    return get_peft_model(model, config)
+
+
+def adapter_config(path) -> dict:
+    """The adapter_config.json of a LoRA adapter's folder (a --lora-rank run's checkpoint), or
+    {}."""
+    file = Path(path, "adapter_config.json")
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def base_model(path):
+    """The model folder (or hub id) `path` is, or that the adapter in `path` was trained on."""
+    return adapter_config(path).get("base_model_name_or_path", path)
 
 
 def load_model(path, device="cpu"):
@@ -917,6 +961,9 @@ def full_weights(model, dtype=""):
     parameter in turn is gathered from the ranks' shards, and only rank 0 keeps it, in the served
     `dtype` (a name in client.DTYPES; "": as trained): no rank holds the full float32 weights,
     only one parameter at a time."""
+    # a peft model: Client.update_model_params pushes its adapter alone
+    if hasattr(model, "peft_config"):
+        return model
     if not dist.is_initialized():
         return {name: p.detach() for name, p in model.named_parameters()}
     weights = {}
@@ -1224,12 +1271,12 @@ def final_eval(client, held_out, cfg):
 
 def eval_only(client, cfg, held_out):
     """--eval-only: evaluate --model. A server given by --server-url gets its weights pushed first
-    (one that train.py starts loads them); without --model, what that server holds is evaluated.
-    eval.json and eval_samples.jsonl then hold this evaluation alone."""
+    (one that train.py starts loads them, and gets an adapter pushed); without --model, what that
+    server holds is evaluated. eval.json and eval_samples.jsonl then hold this evaluation alone."""
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(cfg.out, "eval_samples.jsonl"))
-    if cfg.server_url and cfg.model:
-        model = load_model(cfg.model, cfg.device)
+    if cfg.model and (cfg.server_url or cfg.lora_rank):
+        model = load_policy(cfg)
         client.init_communicator(host=cfg.trainer_host, device=cfg.device)
         client.update_model_params(model)
         client.close_communicator()
@@ -1252,7 +1299,9 @@ def save_checkpoint(cfg, model, tok, opt, next_step, rng, rollouts):
     rows = [queued.rows for queued in rollouts.queue]
     state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
     extra = {} if dist.is_initialized() else {"trainer_state.pt": state}
-    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, rollouts.weights)
+    # a LoRA run's: the adapter (PeftModel.save_pretrained)
+    weights = None if cfg.lora_rank else rollouts.weights
+    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
 
 
 def start_run(cfg, opt, rng):
@@ -1334,8 +1383,14 @@ def connect(cfg, urls) -> Client:
 
 def launch(cfg, k):
     """Server k of --num-servers, on the model; on a GPU machine on GPU k."""
-    flags = ["--model", cfg.model, "--dtype", cfg.dtype or "float32", "--seed", str(cfg.seed)]
-    flags += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    flags = ["--model", base_model(cfg.model), "--dtype", cfg.dtype or "float32"]
+    flags += ["--seed", str(cfg.seed), "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.lora_rank:
+        # vLLM's ranks: 1, 8, 16, 32, ...; every version a step in flight may sample stays loaded;
+        # an adapter travels in a request's body (0.5B, rank 8: 24 MB of base64)
+        rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= cfg.lora_rank)
+        flags += ["--enable-lora", "--max-lora-rank", str(rank)]
+        flags += ["--max-loras", str(cfg.max_staleness + 2), "--max-body-mb", "1024"]
     gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
     log = os.path.join(cfg.out, f"server{k}.log")
     return launch_server(*flags, *shlex.split(cfg.server_args), log_path=log, env=os.environ | gpu)
