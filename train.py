@@ -220,7 +220,8 @@ def resumed_settings(given):
     # mmap: the optimizer's state is not read
     saved = torch.load(state_path(given["resume"]), weights_only=True, mmap=True).get("config", {})
     for name, value in given.items():
-        if name not in saved or saved[name] == value or name == "resume":
+        # --lr: start_run says it, against the optimizer's own
+        if name not in saved or saved[name] == value or name in ("resume", "lr"):
             continue
         if name in DATA_ORDER:
             raise ValueError(
@@ -1106,6 +1107,8 @@ def read_dataset(path, reward_fn):
             score(reward_fn, "", row)
             rows.append(row)
         except Exception as e:
+            # what the reward raised, if it raised (score names the row otherwise)
+            e = e.__cause__ or e
             errors.append(f"line {number}: {type(e).__name__}: {e}")
     if errors or not rows:
         shown = "; ".join(errors[:5]) or "no rows"
@@ -1272,8 +1275,11 @@ def start_run(cfg, opt, rng, data):
         state = torch.load(state_path(cfg.resume), weights_only=True)
         opt.load_state_dict(state["optimizer"])
         # the optimizer's state brings back the learning rate it was saved with: --lr decides
+        saved_lr = opt.param_groups[0]["lr"]
         for group in opt.param_groups:
             group["lr"] = cfg.lr
+        if saved_lr != cfg.lr:
+            print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
         rng.setstate(state["rng"])
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
