@@ -8,8 +8,11 @@ import importlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import psutil
 import pytest
@@ -637,6 +640,33 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
     assert sorted(os.listdir(out)) == ["checkpoint", checkpoint, "metrics.jsonl", "plot.png"]
     history = train.main(["--resume", out, "--server-url", server.base_url])
     assert [h["step"] for h in history] == [0, 1, 2, 3]
+
+
+def test_a_run_stopped_by_ctrl_c_leaves_a_checkpoint_of_its_last_completed_step(
+    server, model_path, tmp_path, restore_weights
+):
+    """Ctrl-C (SIGINT to this process) once two steps are logged: the run saves its checkpoint and
+    plot, and resumes from there."""
+    metrics = tmp_path / "metrics.jsonl"
+
+    def ctrl_c_after_two_steps():
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_after_two_steps, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny_run(model_path, tmp_path, steps=1000), server)
+    step = torch.load(train.state_path(str(tmp_path)))["step"]
+    logged = [json.loads(line)["step"] for line in open(metrics)]
+    # the steps logged, and one more if the Ctrl-C came during a step's push or its log
+    assert step >= 2 and logged == list(range(len(logged))) and step - len(logged) in (0, 1)
+    assert os.path.getsize(tmp_path / "plot.png") > 10_000
+    resumed = tiny_run(model_path, tmp_path, steps=step + 1, resume=str(tmp_path))
+    assert train.train(resumed, server)[-1]["step"] == step
 
 
 def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_line(tmp_path):
