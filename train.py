@@ -374,7 +374,7 @@ class Rollouts:
         on the weights that push left, and generates while steps s+1..s+K train: every step so
         samples the weights K pushes older than the ones it trains on. (Held instead, it would
         wait through the push's drain of the steps generating then, and the server holds a request
-        for a version at most --result-ttl.) Steps start..start+K, queued by train(), and the
+        for a version at most --result-ttl.) Steps start..start+K, queued by start_run(), and the
         steps a lost server held are submitted at the next step too."""
         self.queue.popleft()
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
