@@ -633,17 +633,23 @@ def server_lost(e):
     return not isinstance(e, ServerError) or e.status in (404, 409, 502, 504)
 
 
-def push_until_done(client, model, **options):
+def push_until_done(client, model, timeout=600.0, **options):
     """client.update_model_params, asked again while the server is busy (503: requests were still
-    in flight after its --drain-timeout, and nothing was sent) and still answers /health. The
-    requests in flight end within their max_tokens, so the drain does too."""
+    in flight after its --drain-timeout, and nothing was sent) and still answers /health, with
+    backoff between the asks (0.1 s, doubling up to 5 s): a TimeoutError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    backoff = 0.1
     while True:
         try:
             return client.update_model_params(model, **options)
         except ServerError as e:
             if e.status != 503 or e.engine_dead:
                 raise
+            if time.monotonic() + backoff > deadline:
+                raise TimeoutError(f"{client.base_url} still busy after {timeout} s: {e}") from None
             client.health()
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 5.0)
 
 
 # -- several servers -------------------------------------------------------------------------------
@@ -767,9 +773,13 @@ class Router(AbortsOnError):
         with ThreadPoolExecutor(max(len(self.live), 1)) as pool:
             pushes = [pool.submit(push_until_done, c, model, **options) for c in self.live]
         errors = [push.exception() for push in pushes]
-        for error in errors:
+        for client, error in zip(self.live, errors):
             if error is not None and not server_lost(error):
                 raise error
+            # what a dropped server holds would wait there for versions it never gets: aborted, a
+            # trainer waiting for it hears so (404) and submits it again
+            if error is not None:
+                client.abort_pending()
         self.live = [c for c, error in zip(self.live, errors) if error is None]
         if not self.live:
             raise ConnectionError(f"every server was lost during the update: {errors}")
@@ -939,14 +949,28 @@ def save_model(model, tokenizer, path, extra=None, state_dict=None):
     `path` holds the old model or the new one, whole. `extra`: {file name: object} saved beside it
     with torch.save; `state_dict`: the weights to save, if not the model's own."""
     folder = f"{path}.{time.time_ns()}"
-    model.save_pretrained(folder, state_dict=state_dict)
-    tokenizer.save_pretrained(folder)
-    for name, obj in (extra or {}).items():
-        torch.save(obj, os.path.join(folder, name))
-    old = os.path.realpath(path) if os.path.islink(path) else None
     link = f"{folder}.link"
-    os.symlink(os.path.basename(folder), link)
-    # rename(2) replaces the link atomically
-    os.replace(link, path)
+    old = None
+    try:
+        model.save_pretrained(folder, state_dict=state_dict)
+        tokenizer.save_pretrained(folder)
+        for name, obj in (extra or {}).items():
+            torch.save(obj, os.path.join(folder, name))
+        os.symlink(os.path.basename(folder), link)
+        old = os.path.realpath(path) if os.path.islink(path) else None
+        if os.path.isdir(path) and not old:
+            # a plain folder (a checkpoint saved before the swap by a link): moved aside first
+            old = f"{folder}.old"
+            os.rename(path, old)
+        # rename(2) replaces the link atomically
+        os.replace(link, path)
+    except BaseException:
+        # stopped (Ctrl-C too) before the swap: `path` is as it was, and nothing is left beside it
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(link)
+        if old and not os.path.lexists(path):
+            os.rename(old, path)
+        raise
     if old:
         shutil.rmtree(old, ignore_errors=True)

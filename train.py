@@ -224,12 +224,44 @@ def parse_config(argv=None) -> Config:
             options = {"action": argparse.BooleanOptionalAction}
         else:
             options = {"type": type(f.default), "choices": f.metadata["choices"]}
-        flag_name = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag_name, default=f.default, help=f.metadata["help"], **options)
+        # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
+        parser.add_argument(
+            as_flag(f.name), default=argparse.SUPPRESS, help=f.metadata["help"], **options
+        )
     try:
-        return Config(**vars(parser.parse_args(argv)))
+        return Config(**resumed_settings(vars(parser.parse_args(argv))))
     except ValueError as e:
         parser.error(str(e))
+
+
+def as_flag(name):
+    return "--" + name.replace("_", "-")
+
+
+# what the queued steps of a checkpoint and its data order are made of: a resume keeps them
+DATA_ORDER = ("dataset", "task", "reward", "prompts_per_step", "micro_batches", "group_size")
+
+
+def resumed_settings(given):
+    """The flags `given`; with --resume, every other one from the checkpoint's run, and each given
+    one that differs printed. A change of DATA_ORDER's is a ValueError."""
+    if "resume" not in given or not os.path.exists(state_path(given["resume"])):
+        return given
+    # mmap: the optimizer's state is not read
+    saved = torch.load(state_path(given["resume"]), weights_only=True, mmap=True).get("config", {})
+    for name, value in given.items():
+        # --lr: start_run says it, against the optimizer's own
+        if name not in saved or saved[name] == value or name in ("resume", "lr"):
+            continue
+        if name in DATA_ORDER:
+            raise ValueError(
+                f"--resume: {as_flag(name)} {value} is not the run's {saved[name]!r}: its queued "
+                "steps and data order are of that one (a new run needs another --out)"
+            )
+        print(f"{as_flag(name)} {value} from here on (the run's: {saved[name]!r})", file=sys.stderr)
+    # the checkpoint is the model
+    kept = {f.name: saved[f.name] for f in fields(Config) if f.name in saved and f.name != "model"}
+    return kept | given
 
 
 # -- the loop: train() and what it calls, in the order it calls it ---------------------------------
@@ -240,13 +272,9 @@ def train(cfg: Config, client: Client, data=None):
     data, held_out = data or load_data(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.model)
     model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
-    start, queued_rows, history = start_run(cfg, opt, rng)
-    # steps start..start+K sampled ahead (Rollouts.submit_next); a checkpoint holds them, or fewer
-    # (one of a run that ended, or of a smaller K)
-    while len(queued_rows) <= min(cfg.max_staleness, cfg.steps - 1 - start):
-        queued_rows.append(rng.sample(data, cfg.prompts_per_step))
+    start, queued_rows, history = start_run(cfg, opt, rng, data)
     # the server samples from exactly our weights
-    rollouts = Rollouts(client, cfg, full_weights(model, cfg.dtype), queued_rows)
+    rollouts = Rollouts(client, cfg, full_weights(model, cfg.dtype), queued_rows, start)
     # What setup made (the modules of torch and transformers, the model, the data: ~700k objects)
     # lives as long as the run: out of the cyclic garbage collector's way. A step's samples are
     # ~10^5 objects, and without this its full passes over everything came every other step,
@@ -259,6 +287,7 @@ def train(cfg: Config, client: Client, data=None):
         RunLog(cfg, history) as run_log,
         client,
         tqdm(range(start, cfg.steps), desc="GRPO", disable=None) as bar,
+        checkpoint_on_stop(cfg, model, tok, opt, rng, rollouts),
     ):
         for step in bar:
             t_step = time.time()
@@ -267,6 +296,8 @@ def train(cfg: Config, client: Client, data=None):
                 # on the weights this step samples; a step that loses the server goes without
                 evaluation = rollouts.unless_lost(evaluate, client, held_out, cfg)
             stats = step_gradient(rollouts, model, tok, step - start)
+            # the weights and the queue move on together: a stop in between leaves no checkpoint
+            rollouts.next_step = None
             optimizer_step(model, opt, stats, cfg)
             sampled_version = rollouts.version
             rollouts.submit_next(rng, data, step)
@@ -283,6 +314,19 @@ def train(cfg: Config, client: Client, data=None):
     save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rollouts)
     finish_run(cfg, rollouts.client, history)
     return history
+
+
+@contextlib.contextmanager
+def checkpoint_on_stop(cfg, model, tok, opt, rng, rollouts):
+    """A run that stops (an error, Ctrl-C) leaves the checkpoint of its last completed step
+    (RunLog draws its plot): `--resume` goes on from there."""
+    try:
+        yield
+    except BaseException:
+        # under torchrun the optimizer's state is sharded: a checkpoint there does not resume
+        if rollouts.next_step is not None and not dist.is_initialized():
+            save_checkpoint(cfg, model, tok, opt, rollouts.next_step, rng, rollouts)
+        raise
 
 
 @dataclass
@@ -302,11 +346,16 @@ class Rollouts:
     reachable) waits for it, sets weight sync up again, pushes our weights, and leaves the queued
     steps to be submitted again: what the lost server held is gone."""
 
-    def __init__(self, client, cfg, weights, queued_rows):
+    def __init__(self, client, cfg, weights, queued_rows, start=0):
         self.client = client
         self.cfg = cfg
         self.weights = weights
-        self.queue = collections.deque(QueuedStep(rows) for rows in queued_rows)
+        # the step at the head of the queue (None while it and the weights disagree)
+        self.next_step = start
+        # K + 1 steps queued at most; a checkpoint of a larger K sampled more: they wait here
+        queued = min(cfg.max_staleness, cfg.steps - 1 - start) + 1
+        self.queue = collections.deque(QueuedStep(rows) for rows in queued_rows[:queued])
+        self.sampled = collections.deque(queued_rows[queued:])
         self.connect()
 
     def connect(self):
@@ -355,13 +404,17 @@ class Rollouts:
         on the weights that push left, and generates while steps s+1..s+K train: every step so
         samples the weights K pushes older than the ones it trains on. (Held instead, it would
         wait through the push's drain of the steps generating then, and the server holds a request
-        for a version at most --result-ttl.) Steps start..start+K, queued by train(), and the
+        for a version at most --result-ttl.) Steps start..start+K, queued by start_run(), and the
         steps a lost server held are submitted at the next step too."""
+        self.queue.popleft()
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
-            self.queue.append(QueuedStep(rng.sample(data, self.cfg.prompts_per_step)))
+            # rows sampled already (by a run of a larger K) come first, in their order
+            rows = self.sampled.popleft() if self.sampled else None
+            self.queue.append(QueuedStep(rows or rng.sample(data, self.cfg.prompts_per_step)))
             if self.cfg.max_staleness == 0:
                 # if the server is lost meanwhile, it is reconnected and the next step submits
                 self.unless_lost(self.submit_queued, self.version + 1)
+        self.next_step = step + 1
 
     def submit_queued(self, min_version=0):
         """Submit the queued steps not submitted yet: to sample the weights the server holds, or
@@ -376,7 +429,7 @@ class Rollouts:
         """Push `weights` into the server, one version more than it held: a run whose versions
         depart from one per step stops. A drain that takes long is no lost server: a healthy
         server's 503 says that requests were still in flight after --drain-timeout and nothing
-        was sent, and we push again, as long as it takes."""
+        was sent, and we push again (push_until_done, for at most 600 s)."""
         self.weights = weights
         pushed = push_until_done(self.client, weights, mode=self.cfg.update_mode)
         if pushed != self.version + 1:
@@ -396,7 +449,6 @@ def step_gradient(rollouts, model, tok, steps_done):
     for _ in range(3):
         stats = rollouts.unless_lost(accumulate_step, rollouts, model, tok, measure_all)
         if stats is not None:
-            rollouts.queue.popleft()
             return stats
         lead("retry")
         model.zero_grad(set_to_none=True)
@@ -1090,9 +1142,15 @@ def read_dataset(path, reward_fn):
             row.setdefault("task", task)
             if not isinstance(row["prompt"], str) or not isinstance(row["task"], str):
                 raise ValueError('"prompt" and "task" must be strings')
+            if "answer" in row and row["answer"] in (None, ""):
+                raise ValueError(
+                    f'"answer" is {json.dumps(row["answer"])}: nothing to score against'
+                )
             score(reward_fn, "", row)
             rows.append(row)
         except Exception as e:
+            # what the reward raised, if it raised (score names the row otherwise)
+            e = e.__cause__ or e
             errors.append(f"line {number}: {type(e).__name__}: {e}")
     if errors or not rows:
         shown = "; ".join(errors[:5]) or "no rows"
@@ -1151,7 +1209,13 @@ def reward_function(cfg):
 
 def score(reward_fn, completion, row) -> float:
     """One completion's reward, checked to be a number in [0, 1]."""
-    value = reward_fn(completion, row)
+    try:
+        value = reward_fn(completion, row)
+    except Exception as e:
+        raise RuntimeError(
+            f"the reward {reward_fn.__module__}:{reward_fn.__name__} raised {type(e).__name__}: "
+            f"{e}, scoring the completion {completion!r} of the row {row!r}"
+        ) from e
     if not (isinstance(value, (int, float)) and 0 <= value <= 1):
         raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
     return float(value)
@@ -1296,37 +1360,44 @@ def save_checkpoint(cfg, model, tok, opt, next_step, rng, rollouts):
     are the ones pushed last, full_weights': under torchrun the model's own are shards, and so is
     the optimizer's state: such a checkpoint has no trainer_state.pt, it serves but does not
     resume."""
-    rows = [queued.rows for queued in rollouts.queue]
+    rows = [queued.rows for queued in rollouts.queue] + list(rollouts.sampled)
     state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
+    # the run's settings: a resume takes those not given again (resumed_settings)
+    state["config"] = asdict(cfg)
     extra = {} if dist.is_initialized() else {"trainer_state.pt": state}
     # a LoRA run's: the adapter (PeftModel.save_pretrained)
     weights = None if cfg.lora_rank else rollouts.weights
     save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
 
 
-def start_run(cfg, opt, rng):
-    """(the first step, the rows of the steps already sampled from it on, the metrics so far): a
-    new run's, none (its --out made), or with --resume (the model is loaded from the checkpoint
-    already) the checkpoint's, after restoring the optimizer (at --lr) and the sampler's RNG; the
-    metrics of the steps before the checkpoint's. With --max-staleness K, the steps sampled before
-    the checkpoint (its next and the K after it) are generated anew on its weights, not on the
-    older ones an unbroken run used: they are less stale. Nothing else here draws random numbers:
-    the models have no dropout, and the server samples."""
-    if not cfg.resume:
-        os.makedirs(cfg.out, exist_ok=True)
-        return 0, [], []
-    state = torch.load(state_path(cfg.resume), weights_only=True)
-    opt.load_state_dict(state["optimizer"])
-    # the optimizer's state brings back the learning rate it was saved with: --lr decides
-    saved_lr = opt.param_groups[0]["lr"]
-    for group in opt.param_groups:
-        group["lr"] = cfg.lr
-    if saved_lr != cfg.lr:
-        print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
-    rng.setstate(state["rng"])
-    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
-        history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
-    return state["step"], state["rows"], history
+def start_run(cfg, opt, rng, data):
+    """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's
+    (its --out made), or with --resume (the model is loaded from the checkpoint already) the
+    checkpoint's, after restoring the optimizer (at --lr) and the sampler's RNG; the metrics of the
+    steps before the checkpoint's. With --max-staleness K, the steps sampled before the checkpoint
+    (its next and the K after it) are generated anew on its weights, not on the older ones an
+    unbroken run used: they are less stale. Nothing else here draws random numbers: the models
+    have no dropout, and the server samples."""
+    os.makedirs(cfg.out, exist_ok=True)
+    start, rows, history = 0, [], []
+    if cfg.resume:
+        state = torch.load(state_path(cfg.resume), weights_only=True)
+        opt.load_state_dict(state["optimizer"])
+        # the optimizer's state brings back the learning rate it was saved with: --lr decides
+        saved_lr = opt.param_groups[0]["lr"]
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr
+        if saved_lr != cfg.lr:
+            print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
+        rng.setstate(state["rng"])
+        with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+            history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
+        start, rows = state["step"], state["rows"]
+    # steps start..start+K sampled ahead (Rollouts.submit_next); a checkpoint holds them, fewer
+    # (one of a run that ended, or of a smaller K), or more (of a larger K: Rollouts keeps them)
+    while len(rows) <= min(cfg.max_staleness, cfg.steps - 1 - start):
+        rows.append(rng.sample(data, cfg.prompts_per_step))
+    return start, rows, history
 
 
 # -- the command line: python train.py, or torchrun ------------------------------------------------

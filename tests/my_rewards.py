@@ -1,6 +1,28 @@
-"""A reward of one's own, as `--reward tests.my_rewards:NAME` names it (the benchmarks' tests)."""
+"""Rewards of one's own, as `--reward tests.my_rewards:NAME` names them (the benchmarks' and the
+training tests'), or `my_rewards:boxed` with tests/ on PYTHONPATH (the README's example)."""
+
+import os
+import re
+
+# how many calls flaky() answers before it raises: a test sets it (or $FLAKY_CALLS)
+calls_left = float(os.environ.get("FLAKY_CALLS", "inf"))
 
 
 def zero(completion, row):
     """Every sample scores 0: no group has an advantage, and a run trains on nothing."""
+    return 0.0
+
+
+def boxed(completion, row):
+    """1 if the completion's last \\boxed{...} holds the row's answer, else 0."""
+    boxes = re.findall(r"\\boxed\{([^}]*)\}", completion)
+    return float(bool(boxes) and boxes[-1].strip() == row["answer"])
+
+
+def flaky(completion, row):
+    """0 for `calls_left` calls, then a KeyError: a reward with a bug."""
+    global calls_left
+    calls_left -= 1
+    if calls_left < 0:
+        raise KeyError("solution")
     return 0.0

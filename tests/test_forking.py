@@ -174,7 +174,7 @@ def test_a_run_resumed_from_its_checkpoint_ends_where_an_unbroken_run_does(
     )
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
     train.train(train.Config(**settings, out=straight), server)
-    # 16 samples a step: it dies scoring step 4's, after step 3's metrics, with step 3 saved
+    # 16 samples a step: it dies scoring step 4's, after step 3's metrics, and saves step 4
     module.scored, module.crash_after = 0, 4 * 16
     with pytest.raises(RuntimeError, match="died"):
         train.train(train.Config(**settings, out=broken, save_every=3), server)
@@ -195,13 +195,14 @@ def test_a_resumed_run_takes_its_new_lr_and_its_queued_step_is_fresher(
 ):
     """With --max-staleness 1, the step queued at the checkpoint is generated anew on the
     checkpoint's weights (staleness 0, where an unbroken run's is 1), as the README says; the
-    optimizer's saved learning rate gives way to --lr, and the run says so."""
+    optimizer's saved learning rate gives way to --lr, and the run says so. The checkpoint is the
+    one the run saved as it stopped, of step 3."""
     import rewards as module
 
     settings = dict(model=model_path, steps=4, prompts_per_step=4, micro_batches=2, group_size=4)
     settings |= dict(max_tokens=6, max_staleness=1, reward="rewards:letters")
     run = str(tmp_path / "run")
-    # dies scoring step 3's samples, with the checkpoint of step 2 saved
+    # dies scoring step 3's samples, and saves the checkpoint of step 3
     module.scored, module.crash_after = 0, 3 * 16
     with pytest.raises(RuntimeError, match="died"):
         train.train(train.Config(**settings, out=run, save_every=2), server)
@@ -210,7 +211,7 @@ def test_a_resumed_run_takes_its_new_lr_and_its_queued_step_is_fresher(
     train.train(train.Config(**settings, resume=run, lr=5e-4), server)
     assert "--lr 0.0005" in capsys.readouterr().err
     staleness = [json.loads(line)["staleness"] for line in open(os.path.join(run, "metrics.jsonl"))]
-    assert staleness == [0, 1, 0, 1]
+    assert staleness == [0, 1, 1, 0]
     state = torch.load(train.state_path(run), weights_only=True)
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [5e-4]
 

@@ -10,8 +10,10 @@ right before its fence is `<!-- not run: REASON -->` (the test then shows as ski
 Run: .venv/bin/python -m pytest tests/test_readme.py
 """
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -50,3 +52,40 @@ def test_readme_block_runs(language, code, server):
     )
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+
+
+def test_the_readme_resume_example_goes_on_with_the_runs_settings(
+    server, model_path, tmp_path, restore_weights
+):
+    """The README's run of one's own data and reward, then its --resume, as written, with flags
+    appended that make it a tiny run on the session server: the resumed run trains on the same
+    data, reward and settings, and says what it changed."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        commands = [
+            line for line in f if line.startswith("python train.py") and "runs/mine" in line
+        ]
+    first, resume = (shlex.split(line)[2:] for line in commands[:2])
+    assert "--resume" in resume
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
+    (tmp_path / "my.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tiny = ["--server-url", server.base_url, "--model", model_path, "--steps", "2"]
+    tiny += ["--prompts-per-step", "4", "--micro-batches", "2", "--group-size", "2"]
+    # tests/my_rewards.py is the README's my_rewards.py
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
+    runs = []
+    # the server too is the run's
+    for flags in (first + tiny, resume + ["--steps", "3"]):
+        command = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
+        run = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs.append(run)
+    # train.py prints its settings first
+    settings = [json.loads(run.stdout.splitlines()[0]) for run in runs]
+    kept = ("dataset", "reward", "save_every", "lr", "prompts_per_step", "group_size", "task")
+    assert [settings[1][k] for k in kept] == [settings[0][k] for k in kept]
+    assert settings[1]["reward"] == "my_rewards:boxed" and settings[1]["save_every"] == 20
+    assert "--steps 3 from here on (the run's: 2)" in runs[1].stderr
+    metrics = [json.loads(line) for line in open(tmp_path / "runs" / "mine" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [0, 1, 2]

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from test_weight_sync import hf_greedy, perturbed, wait_for_in_flight
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import Router, free_port, launch_server, stop_server
+import train
+from client import Client, Router, free_port, launch_server, push_until_done, stop_server
 from conftest import GPU_FLAGS, stop_in_background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +129,63 @@ def test_a_busy_server_stays_live_and_takes_the_update(router, hf):
     assert plain.health()["version"] == data_parallel.health()["version"] == version
     assert busy.result()[0][0].version == version - 1
     router.update_model_params(model)
+
+
+# the server whose weight sync break_weight_sync_once breaks (a test puts its Client here)
+BREAK = {}
+
+
+def break_weight_sync_once(completion, row):
+    """addition's reward; its first call (step 0 trains) closes the weight sync of the server in
+    BREAK from the server's side: the push after the step is refused there (409, no weight sync),
+    and the Router drops a server that is up, and holds the next step's requests."""
+    if "client" in BREAK:
+        BREAK.pop("client")._request("POST", "/close_communicator")
+    return train.addition_reward(completion, row)
+
+
+def test_a_server_dropped_after_a_failed_push_costs_a_resubmission_not_the_run(
+    servers, model_path, hf, tmp_path
+):
+    """On-policy (K = 0) the next step waits on both servers for the version of the push that
+    fails on one: the Router aborts what that one holds, the trainer hears so, reconnects (the
+    server is back in) and submits the step again. A timeout of 30 s: before, the trainer waited
+    for the version that never came, up to the server's --result-ttl."""
+    urls = [f"http://127.0.0.1:{servers[n][1]['port']}" for n in ("plain", "data-parallel")]
+    router = Router(urls, timeout=30)
+    BREAK["client"] = Client(urls[0])
+    cfg = train.Config(
+        model=model_path,
+        steps=3,
+        prompts_per_step=4,
+        micro_batches=2,
+        group_size=2,
+        out=str(tmp_path),
+        reward="test_scale:break_weight_sync_once",
+    )
+    history = train.train(cfg, router)
+    assert "client" not in BREAK and [h["step"] for h in history] == [0, 1, 2]
+    assert router.live == router.clients
+    assert len({client.health()["version"] for client in router.clients}) == 1
+    router.init_communicator(transport="gloo")
+    router.update_model_params(hf[0])
+    router.close_communicator()
+
+
+def test_a_server_busy_past_the_deadline_is_a_timeout_not_a_wait_forever(servers, hf):
+    """The plain server refuses a push (503) while a request runs there longer than its
+    --drain-timeout (1 s; before the killed-server test starts it again without): push_until_done
+    asks again, with backoff, until its deadline."""
+    plain = Client(f"http://127.0.0.1:{servers['plain'][1]['port']}")
+    plain.init_communicator(transport="gloo")
+    busy = plain.generate(["busy"], max_tokens=1500, ignore_eos=True, is_async=True)
+    wait_for_in_flight(plain, seconds=0.1)
+    with pytest.raises(TimeoutError, match="still busy after 2"):
+        push_until_done(plain, hf[0], timeout=2)
+    # nothing was sent: the request goes on on the weights it started with
+    version = plain.health()["version"]
+    assert busy.result()[0][0].version == version
+    plain.close_communicator()
 
 
 def test_an_openai_session_stays_on_one_server(router):

@@ -4,23 +4,29 @@ Run: .venv/bin/python -m pytest tests/test_train.py
 """
 
 import contextlib
+import dataclasses
 import fcntl
+import importlib
 import importlib.util
 import json
 import math
 import os
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import threading
+import time
 
 import psutil
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plot
 import train
+from client import save_model
 from conftest import needs_cuda, needs_two_gpus
 
 
@@ -769,3 +775,144 @@ def test_pass_k_and_wandb_are_checked_when_given():
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(ValueError, match="wandb is not installed"):
             train.Config(model="m", wandb="my-project")
+
+
+# -- checkpoints and resumes ----------------------------------------------------------------------
+def tiny_run(model_path, out, **settings):
+    """A Config of a tiny run (4 prompts x 2 a step) on the built-in data, into `out`."""
+    size = {"prompts_per_step": 4, "micro_batches": 2, "group_size": 2, "max_tokens": 4}
+    return train.Config(model=model_path, out=str(out), **size | settings)
+
+
+def test_resume_takes_every_flag_not_given_from_the_checkpoint_and_refuses_a_new_data_order(
+    model_path, tmp_path, capsys
+):
+    data = tmp_path / "my.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    run = tiny_run(model_path, tmp_path, dataset=str(data), reward="tests.my_rewards:boxed")
+    run.save_every, run.lr = 20, 1e-5
+    os.makedirs(tmp_path / "checkpoint")
+    torch.save({"config": dataclasses.asdict(run)}, train.state_path(str(tmp_path)))
+    cfg = train.parse_config(["--resume", str(tmp_path), "--steps", "200", "--group-size", "2"])
+    assert (cfg.dataset, cfg.reward, cfg.save_every, cfg.lr) == (run.dataset, run.reward, 20, 1e-5)
+    assert cfg.steps == 200 and cfg.model == str(tmp_path / "checkpoint")
+    # each flag that changes is said; one given as it was is not
+    assert capsys.readouterr().err == "--steps 200 from here on (the run's: 120)\n"
+    for changed in (["--group-size", "4"], ["--task", "sums"], ["--reward", "x:y"]):
+        with pytest.raises(SystemExit):
+            train.parse_config(["--resume", str(tmp_path), *changed])
+        assert f"--resume: {changed[0]} {changed[1]} is not the run's" in capsys.readouterr().err
+
+
+def test_a_resume_at_a_smaller_max_staleness_trains_at_it_from_its_first_step(
+    server, model_path, tmp_path, restore_weights, monkeypatch
+):
+    """A run at K = 2 stops at step 3 (its reward raises), with steps 3-5 queued in its checkpoint;
+    resumed at K = 0, every step samples the weights it trains, the queued rows in their order."""
+    rewards = importlib.import_module("tests.my_rewards")
+    monkeypatch.setattr(rewards, "calls_left", 3 * 8)
+    settings = {"steps": 6, "reward": "tests.my_rewards:flaky"}
+    with pytest.raises(RuntimeError, match="raised KeyError"):
+        train.train(tiny_run(model_path, tmp_path, max_staleness=2, **settings), server)
+    queued = torch.load(train.state_path(str(tmp_path)))["rows"]
+    assert len(queued) == 3
+    monkeypatch.setattr(rewards, "calls_left", math.inf)
+    resumed = tiny_run(model_path, tmp_path, max_staleness=0, resume=str(tmp_path), **settings)
+    history = train.train(resumed, server)
+    assert [h["step"] for h in history] == list(range(6))
+    assert [h["staleness_max"] for h in history[3:]] == [0, 0, 0]
+
+
+def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_run_resumable(
+    server, model_path, tmp_path, restore_weights
+):
+    """train.py stops at step 2, where its reward raises; resumed, the run goes on to its end."""
+    out = str(tmp_path / "run")
+    flags = ["--server-url", server.base_url, "--model", model_path, "--out", out, "--steps", "4"]
+    flags += ["--prompts-per-step", "4", "--micro-batches", "2", "--group-size", "2"]
+    flags += ["--reward", "tests.my_rewards:flaky"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # step 2's first sample raises
+    env = {**os.environ, "FLAKY_CALLS": str(2 * 8)}
+    command = [sys.executable, os.path.join(root, "train.py"), *flags]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert run.returncode == 1
+    [message] = [line for line in run.stderr.splitlines() if line.startswith("RuntimeError: ")]
+    assert "the reward tests.my_rewards:flaky raised KeyError: 'solution'" in message
+    assert "scoring the completion '" in message and "of the row {'prompt': '" in message
+    # the checkpoint of step 2, the plot of steps 0 and 1, and nothing half-saved beside them
+    assert torch.load(train.state_path(out))["step"] == 2
+    assert os.path.getsize(os.path.join(out, "plot.png")) > 10_000
+    checkpoint = os.readlink(os.path.join(out, "checkpoint"))
+    assert sorted(os.listdir(out)) == ["checkpoint", checkpoint, "metrics.jsonl", "plot.png"]
+    history = train.main(["--resume", out, "--server-url", server.base_url])
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+
+
+def test_a_run_stopped_by_ctrl_c_leaves_a_checkpoint_of_its_last_completed_step(
+    server, model_path, tmp_path, restore_weights
+):
+    """Ctrl-C (SIGINT to this process) once two steps are logged: the run saves its checkpoint and
+    plot, and resumes from there."""
+    metrics = tmp_path / "metrics.jsonl"
+
+    def ctrl_c_after_two_steps():
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_after_two_steps, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny_run(model_path, tmp_path, steps=1000), server)
+    step = torch.load(train.state_path(str(tmp_path)))["step"]
+    logged = [json.loads(line)["step"] for line in open(metrics)]
+    # the steps logged, and one more if the Ctrl-C came during a step's push or its log
+    assert step >= 2 and logged == list(range(len(logged))) and step - len(logged) in (0, 1)
+    assert os.path.getsize(tmp_path / "plot.png") > 10_000
+    resumed = tiny_run(model_path, tmp_path, steps=step + 1, resume=str(tmp_path))
+    assert train.train(resumed, server)[-1]["step"] == step
+
+
+def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_line(tmp_path):
+    data = tmp_path / "my.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "a", "answer": None}]
+    rows += [{"prompt": "b", "answer": ""}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as refused:
+        train.read_dataset(str(data), train.answer_reward)
+    assert 'line 2: ValueError: "answer" is null' in str(refused.value)
+    assert 'line 3: ValueError: "answer" is ""' in str(refused.value)
+
+
+def test_a_save_stopped_by_ctrl_c_leaves_no_partial_folder(model_path, tmp_path):
+    """A tokenizer whose save is interrupted stands for a Ctrl-C that lands mid-save (a real one
+    cannot be timed to land there)."""
+
+    class Interrupted:
+        def save_pretrained(self, folder):
+            raise KeyboardInterrupt
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    path = str(tmp_path / "checkpoint")
+    save_model(model, tok, path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        save_model(model, Interrupted(), path)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_checkpoint_saved_as_a_plain_folder_is_replaced_by_the_next_save(model_path, tmp_path):
+    """Checkpoints saved before the swap by a symbolic link are plain folders."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    path = str(tmp_path / "checkpoint")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    save_model(model, tok, path, extra={"note.pt": 1})
+    assert os.path.islink(path) and torch.load(os.path.join(path, "note.pt")) == 1
+    # the plain folder is gone: the link and the folder it names
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint", os.readlink(path)])
