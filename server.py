@@ -37,8 +37,9 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, Episode, from_base64, load_function, model_error, tiny_model
+from client import DTYPES, TRANSPORTS, Episode, from_base64, load_function, model_error
 from engine import Engine, RolloutEngine, check_encodable, engine_args
+from local import tiny_model
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams, by type
 SAMPLING_FIELDS = dict.fromkeys(["n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"], int)

@@ -49,22 +49,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import (
     DTYPES,
-    SHAPES,
-    TINY_MODEL_DIR,
     Client,
     Episode,
     Router,
     ServerError,
     collect_each,
-    launch_server,
     load_function,
     model_error,
     push_until_done,
-    save_model,
     server_lost,
-    stop_server,
-    tiny_model,
 )
+from local import SHAPES, TINY_MODEL_DIR, launch_server, save_model, stop_server, tiny_model
 from plot import RunLog
 
 
@@ -81,7 +76,7 @@ class Config:
       numbers writing each running total, so completion lengths vary; each total scores by how
       close it is); calculator, multi-turn episodes that may call the 'calc' tool, trained
       with their loss mask (1 on the tokens the model sampled, 0 on the tools' answers).
-    --model-size: the built-in model (without --model) is client.tiny_model of this shape (tiny:
+    --model-size: the built-in model (without --model) is local.tiny_model of this shape (tiny:
       2 layers; 0.5b and 1.5b: Qwen2.5's), warm-started on the task (warm_start), both cached.
     --dtype: the trainer keeps float32 weights; a server train.py starts serves --dtype (default
       float32); with --server-url the server's own --dtype decides, and another one is an error.
@@ -121,7 +116,7 @@ class Config:
 
     # model, data, and where things run
     model: str = flag("", "HF folder or hub id (default: the built-in model, warm-started)")
-    model_size: str = flag("tiny", "the built-in model's shape (client.SHAPES)", list(SHAPES))
+    model_size: str = flag("tiny", "the built-in model's shape (local.SHAPES)", list(SHAPES))
     warm_start_steps: int = flag(100, "supervised steps teaching the built-in model the task")
     dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
@@ -1027,7 +1022,7 @@ def full_weights(model, dtype=""):
 
 
 def builtin_model(cfg):
-    """The built-in model: client.tiny_model of --model-size (seeded, nothing downloaded),
+    """The built-in model: local.tiny_model of --model-size (seeded, nothing downloaded),
     warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
     size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
     base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])

@@ -41,8 +41,8 @@ sys.path.insert(0, ROOT)
 from vllm import LLM, SamplingParams  # noqa: E402
 
 import train  # noqa: E402
-from client import tiny_model  # noqa: E402
 from engine import Engine, RolloutEngine, engine_args  # noqa: E402
+from local import tiny_model  # noqa: E402
 
 CALL_START, RESULT = "<tool>", "<result>{}</result>"
 

@@ -39,7 +39,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from weight_sync import raw_broadcast_seconds  # noqa: E402
 
 import train  # noqa: E402
-from client import SHAPES, TINY_MODEL_DIR, Client, launch_server, stop_server, tiny_model  # noqa: E402
+from client import Client  # noqa: E402
+from local import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -62,7 +62,8 @@ from runs import refuse_hollow  # noqa: E402
 
 import plot  # noqa: E402
 import train  # noqa: E402
-from client import SHAPES, Client, launch_server, stop_server  # noqa: E402
+from client import Client  # noqa: E402
+from local import SHAPES, launch_server, stop_server  # noqa: E402
 
 
 def medians(history, warmup):

@@ -50,7 +50,8 @@ sys.path.insert(0, ROOT)
 from runs import refuse_hollow, spread  # noqa: E402
 
 import train  # noqa: E402
-from client import SHAPES, Router, launch_server, stop_server  # noqa: E402
+from client import Router  # noqa: E402
+from local import SHAPES, launch_server, stop_server  # noqa: E402
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 WORKLOADS = {

@@ -27,8 +27,8 @@ sys.path.insert(0, ROOT)
 from vllm import SamplingParams  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 
-from client import launch_server, stop_server, tiny_model  # noqa: E402
 from engine import Engine, engine_args  # noqa: E402
+from local import launch_server, stop_server, tiny_model  # noqa: E402
 
 
 class SyncEngine:

@@ -1,4 +1,4 @@
-"""Model shapes the GPU benchmarks build with client.tiny_model (random weights, made locally: no
+"""Model shapes the GPU benchmarks build with local.tiny_model (random weights, made locally: no
 model hub), as tiny_model's arguments."""
 
 # Qwen2.5-0.5B: 896 hidden, 24 layers, 14 heads, 2 KV heads, 4864 intermediate, 151,936

@@ -29,7 +29,8 @@ sys.path.insert(0, ROOT)
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from client import Client, launch_server, stop_server, tiny_model  # noqa: E402
+from client import Client  # noqa: E402
+from local import launch_server, stop_server, tiny_model  # noqa: E402
 
 
 def main():

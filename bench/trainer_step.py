@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import train  # noqa: E402
-from client import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
+from local import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
 
 
 def parse_args(argv=None):

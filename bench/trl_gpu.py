@@ -260,7 +260,8 @@ def run_ours(a, model, data):
     import torch
 
     import train
-    from client import Client, launch_server, stop_server
+    from client import Client
+    from local import launch_server, stop_server
 
     gpus = torch.cuda.device_count()
     layouts = [("2 GPUs", "cuda:1"), ("1 GPU", "cuda:0")] if gpus > 1 else [("1 GPU", "cuda:0")]

@@ -9,7 +9,7 @@
     # the same model on two GPUs: server on 0, trainer on 1, NCCL
     python3 bench/weight_sync.py --device cuda:1
 
-CPU (--device cpu), side by side in one run, on a Qwen2 built by client.tiny_model (float32):
+CPU (--device cpu), side by side in one run, on a Qwen2 built by local.tiny_model (float32):
   1. raw:       one gloo broadcast of the same number of bytes as one uint8 buffer between two
                 plain processes; the limit. Timed on the sender, run before the server starts.
   2. ours:      client.update_model_params(model) into a real server over gloo: packed buckets,
@@ -82,14 +82,8 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from client import (  # noqa: E402
-    close_group,
-    free_port,
-    launch_server,
-    stop_server,
-    tiny_model,
-    weight_group,
-)
+from client import close_group, free_port, weight_group  # noqa: E402
+from local import launch_server, stop_server, tiny_model  # noqa: E402
 from shapes import QWEN25_05B  # noqa: E402
 
 # how train.py starts its server on a GPU (its --gpu-memory-utilization default), compiled

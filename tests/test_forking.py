@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from client import Episode, save_model
+from client import Episode
+from local import save_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported first by every Python process that has this folder on PYTHONPATH: `import vllm` then

@@ -16,8 +16,9 @@ import pytest
 import requests
 
 import train
-from client import Client, ServerError, free_port, launch_server, stop_server, tiny_model
+from client import Client, ServerError, free_port
 from conftest import GPU_FLAGS, stop_in_background
+from local import launch_server, stop_server, tiny_model
 
 ROUTES = [
     "/generate",

@@ -21,8 +21,9 @@ from test_weight_sync import hf_greedy, perturbed, wait_for_in_flight
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from client import Client, Router, free_port, launch_server, push_until_done, stop_server
+from client import Client, Router, free_port, push_until_done
 from conftest import GPU_FLAGS, stop_in_background
+from local import launch_server, stop_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the data-parallel server's replicas: on the CPU both share it; on GPUs each needs its own

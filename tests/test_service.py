@@ -14,9 +14,9 @@ from test_rollout import greedy_rollout
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server
-from client import launch_server
 from conftest import CALC_TOOL
 from engine import calculator
+from local import launch_server
 
 
 # -- a user's own tool, one flag away --------------------------------------------------------------

@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plot
 import train
-from client import save_model
 from conftest import needs_cuda, needs_two_gpus
+from local import save_model
 
 
 def random_batch(n, seed):

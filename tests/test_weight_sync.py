@@ -20,8 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server as server_module
 import train
-from client import Client, ServerError, launch_server, pack, stop_server
+from client import Client, ServerError, pack
 from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
+from local import launch_server, stop_server
 
 PROMPTS = ["hello world", "the cat sat", "1+2="]
 
