@@ -71,9 +71,13 @@ def model_path():
     return tiny_model()
 
 
+# tools of one's own (tests/my_tools.py): plain ones, an async one that times out, and misbehaving
+# ones (tests/test_rollout.py)
+SESSION_TOOLS = ("reverse", "shout", "slow", "hang", "exits", "leak", "big")
+
+
 def start_session_server(log_path):
-    # tools of one's own (tests/my_tools.py), a plain one and an async one that times out
-    tools = [f"--tool={name}=tests.my_tools:{name}" for name in ("reverse", "shout", "slow")]
+    tools = [f"--tool={name}=tests.my_tools:{name}" for name in SESSION_TOOLS]
     return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "2", log_path=log_path)
 
 
