@@ -22,6 +22,9 @@ a trainer imports without vLLM.
 
 import ast
 import asyncio
+import functools
+import inspect
+import json
 import logging
 import operator
 import os
@@ -648,6 +651,34 @@ def in_daemon_thread(function, *args) -> asyncio.Future:
     return future
 
 
+# the JSON types of a Python tool's parameters, by their type hints (others: string)
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+JSON_TYPES |= {list: "array", dict: "object"}
+
+
+def python_tool_schema(name, tool) -> dict:
+    """A Python tool's OpenAI schema: its parameters from its signature and type hints, its
+    description from its docstring's first line."""
+    parameters = inspect.signature(tool, eval_str=True).parameters.values()
+    properties = {p.name: {"type": JSON_TYPES.get(p.annotation, "string")} for p in parameters}
+    required = [p.name for p in parameters if p.default is p.empty]
+    schema = {"type": "object", "properties": properties, "required": required}
+    return openai_tool(name, (tool.__doc__ or "").strip().split("\n")[0], schema)
+
+
+def openai_tool(name, description, parameters) -> dict:
+    """A tool's schema in OpenAI's shape, as /v1's `tools` take it."""
+    function = {"name": name, "description": description or "", "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def takes_one_string(tool) -> bool:
+    """Whether a tool takes the text after its name as it is (one str parameter: calc, an MCP
+    tool's JSON), not keyword arguments from a JSON object."""
+    parameters = list(inspect.signature(tool, eval_str=True).parameters.values())
+    return len(parameters) == 1 and parameters[0].annotation in (str, inspect.Parameter.empty)
+
+
 # plain tools running at once, at most (the others wait for a slot, within their timeout)
 TOOL_THREADS = 16
 
@@ -666,6 +697,8 @@ class RolloutEngine:
     engine: Engine
     # NAME -> function, besides the built-in `calc`
     tools: dict | None = None
+    # NAME -> OpenAI schema, where the function's signature does not tell it (MCP tools)
+    schemas: dict | None = None
     call_start: str = "<tool>"
     call_end: str = "</tool>"
     result_format: str = "<result>{}</result>"
@@ -674,6 +707,8 @@ class RolloutEngine:
 
     def __post_init__(self):
         self.tools = {"calc": calculator, **(self.tools or {})}
+        schemas = {name: python_tool_schema(name, f) for name, f in self.tools.items()}
+        self.schemas = schemas | (self.schemas or {})
         self.slots = asyncio.Semaphore(TOOL_THREADS)
 
     @property
@@ -700,10 +735,15 @@ class RolloutEngine:
     async def run_tool(self, tool, argument):
         """An async tool (I/O: an HTTP API, a sandbox) is awaited; a plain one runs in a thread
         of its own, on one of TOOL_THREADS slots, which it gives back at its timeout."""
+        if takes_one_string(tool):
+            call = functools.partial(tool, argument)
+        else:
+            # keyword arguments, from a JSON object: NAME {"a": 1, "b": 2}
+            call = functools.partial(tool, **json.loads(argument or "{}"))
         if asyncio.iscoroutinefunction(tool):
-            return await tool(argument)
+            return await call()
         async with self.slots:
-            return await in_daemon_thread(tool, argument)
+            return await in_daemon_thread(call)
 
     async def episode(
         self,

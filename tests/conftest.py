@@ -73,11 +73,14 @@ def model_path():
 
 # tools of one's own (tests/my_tools.py): plain ones, an async one that times out, and misbehaving
 # ones (tests/test_rollout.py)
-SESSION_TOOLS = ("reverse", "shout", "slow", "hang", "exits", "leak", "big")
+SESSION_TOOLS = ("reverse", "shout", "plus", "slow", "hang", "exits", "leak", "big")
+# a real MCP server (tests/mcp_tools.py), over stdio
+MCP_TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_tools.py")
 
 
 def start_session_server(log_path):
     tools = [f"--tool={name}=tests.my_tools:{name}" for name in SESSION_TOOLS]
+    tools += ["--mcp", f"arith={sys.executable} {MCP_TOOLS}"]
     return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "2", log_path=log_path)
 
 

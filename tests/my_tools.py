@@ -21,6 +21,11 @@ def shout(text: str) -> str:
     return text.upper() + "!"
 
 
+def plus(a: int, b: int = 0) -> str:
+    """a + b: a tool of keyword arguments, called with a JSON object."""
+    return str(a + b)
+
+
 async def slow(seconds: str) -> str:
     """Answer after `seconds` seconds (to test tool timeouts): an async tool, awaited."""
     await asyncio.sleep(float(seconds))
