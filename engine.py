@@ -24,8 +24,11 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import collections
+import functools
+import inspect
 import json
 import logging
+import operator
 import os
 import select
 import shutil
@@ -68,9 +71,13 @@ class Engine:
         self.llm = AsyncLLM.from_engine_args(args)
         self.version = 0  # weights loaded at start
         self.in_flight = 0  # prompts admitted to vLLM and not finished
+        # tool episodes between their first turn and their last (a drain waits for them too)
+        self.episodes = 0
+        # the mode of the update under way, if any
+        self.updating = None
         self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
         self.gate.set()
-        self.idle = asyncio.Condition()  # notified whenever in_flight drops to 0
+        self.idle = asyncio.Condition()  # notified whenever in_flight or episodes drops to 0
         self.new_version = asyncio.Condition()  # notified whenever the version goes up
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the server then exits
@@ -110,10 +117,15 @@ class Engine:
         await self.rpc("exit_with", os.getpid())
         await self.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
 
-    async def generate(self, prompts, params: SamplingParams, priority=0) -> list[list[Completion]]:
-        """All `n` completions of each prompt (text or token ids). Lower `priority` runs first."""
-        # a weight update is loading: wait, then run on the new version
-        await self.gate.wait()
+    async def generate(
+        self, prompts, params: SamplingParams, priority=0, in_episode=False
+    ) -> list[list[Completion]]:
+        """All `n` completions of each prompt (text or token ids). Lower `priority` runs first.
+        `in_episode`: the next turn of an episode in flight (see `episode`)."""
+        # a weight update is loading: wait, then run on the new version. A drain waits for the
+        # episodes in flight to end, so their turns pass the gate it closed.
+        if not (in_episode and self.updating == "drain"):
+            await self.gate.wait()
         # Nothing may await between the gate and the in-flight count: an update clears the gate and
         # then waits for in_flight == 0, so a request that passed the gate must already be counted
         # when the update looks, or it would generate on half-loaded weights.
@@ -141,14 +153,32 @@ class Engine:
             # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too. None:
             # a request keeps the adapter it was admitted with to its end, and so its version
             marks = [None if lora else self.marks.pop(request_id, {}) for request_id in request_ids]
-            if self.in_flight == 0:
-                async with self.idle:
-                    self.idle.notify_all()
+            await self.notify_if_idle()
         # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
         return [
             [completion(c, out.prompt_token_ids, params.logprobs, version, m) for c in out.outputs]
             for out, m in zip(outputs, marks)
         ]
+
+    @asynccontextmanager
+    async def episode(self):
+        """A tool episode, in flight from its first turn to its last: a drain waits for it whole
+        (its tools' time too), so that every turn samples the same weights."""
+        await self.gate.wait()
+        self.episodes += 1
+        try:
+            yield
+        finally:
+            self.episodes -= 1
+            await self.notify_if_idle()
+
+    def is_idle(self) -> bool:
+        return self.in_flight == 0 and self.episodes == 0
+
+    async def notify_if_idle(self):
+        if self.is_idle():
+            async with self.idle:
+                self.idle.notify_all()
 
     async def _one(self, prompt, params, priority, version, request_id, lora=None):
         """One prompt's request to vLLM, admitted at weights `version`: its finished output."""
@@ -191,6 +221,7 @@ class Engine:
         requests and reopen the gate. `mode` None: neither (an adapter update, update_adapter)."""
         async with self.update_lock:
             self.gate.clear()
+            self.updating = mode
             start = time.perf_counter()
             try:
                 if mode == "drain":
@@ -208,14 +239,16 @@ class Engine:
             finally:
                 if mode == "in-flight" and not self.error:
                     await asyncio.wait_for(self.llm.resume_generation(), timeout)
+                self.updating = None
                 self.gate.set()
 
     async def drain(self, timeout):
-        """Let the requests in flight finish on the old version, within `timeout` seconds."""
-        if not await wait_until(self.idle, lambda: self.in_flight == 0, timeout):
+        """Let the requests and episodes in flight finish on the old version, within `timeout`
+        seconds."""
+        if not await wait_until(self.idle, self.is_idle, timeout):
             raise TimeoutError(
-                f"{self.in_flight} prompts still generating after the drain timeout "
-                f"of {timeout} s; nothing was sent"
+                f"{self.in_flight} prompts still generating and {self.episodes} episodes in flight "
+                f"after the drain timeout of {timeout} s; nothing was sent"
             )
 
     async def load(self, buckets, timeout, version=0):
@@ -630,21 +663,103 @@ def tied_output_layers(model):
 
 
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------
-# the syntax a calculator expression may use: numbers, + - * / ** and parentheses
-ARITHMETIC = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow)
-ARITHMETIC += (ast.USub, ast.UAdd)
+# the most bits a power of integers may have: int ** int is one C call that holds the GIL, and the
+# server's loop with it (7**(10**7) takes seconds, 9**9**9 hours)
+MAX_POWER_BITS = 4096
+
+
+def power(base, exponent):
+    """base ** exponent, refused before it is computed where the result would be too large."""
+    integers = isinstance(base, int) and isinstance(exponent, int)
+    # (abs(base).bit_length() - 1) * exponent: a lower bound of the result's bits
+    if integers and (abs(base).bit_length() - 1) * exponent > MAX_POWER_BITS:
+        raise ValueError(f"result too large: over {MAX_POWER_BITS} bits")
+    return base**exponent
+
+
+# the operators a calculator expression may use, on numbers and in parentheses: + - * / **
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+OPERATORS |= {ast.Div: operator.truediv, ast.Pow: power}
+OPERATORS |= {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def calculator(expression: str) -> str:
-    """The built-in tool: arithmetic on numbers, nothing else. Its syntax tree is checked to hold
-    only numbers and ARITHMETIC before Python evaluates it: no names, calls or attributes."""
-    tree = ast.parse(expression.strip(), mode="eval")
-    for node in ast.walk(tree):
-        number = isinstance(node, ast.Constant) and type(node.value) in (int, float)
-        if not (number or isinstance(node, ARITHMETIC)):
-            raise ValueError(f"not arithmetic: {ast.unparse(node)}")
-    result = eval(compile(tree, "<calc>", "eval"), {"__builtins__": {}})
+    """The built-in tool: arithmetic on numbers, nothing else (no names, calls or attributes)."""
+    result = arithmetic(ast.parse(expression.strip(), mode="eval").body)
+    if isinstance(result, int):
+        return str(result)
     return str(int(result) if float(result).is_integer() else round(result, 6))
+
+
+def arithmetic(node):
+    """The value of an expression's syntax tree of numbers and OPERATORS, or a ValueError."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+        return OPERATORS[type(node.op)](arithmetic(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+        return OPERATORS[type(node.op)](arithmetic(node.left), arithmetic(node.right))
+    raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
+
+def in_daemon_thread(function, *args) -> asyncio.Future:
+    """function(*args) in a thread of its own, which never holds up the process's exit (a tool
+    that hangs is abandoned at its timeout): a future of its result, or of what it raised."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run():
+        try:
+            outcome = (function(*args), None)
+        # whatever it raises, SystemExit too, is the caller's to read
+        except BaseException as e:
+            outcome = (None, e)
+        # the loop may have closed meanwhile: nobody waits any more
+        with suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+# the JSON types of a Python tool's parameters, by their type hints (others: string)
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+JSON_TYPES |= {list: "array", dict: "object"}
+
+
+def python_tool_schema(name, tool) -> dict:
+    """A Python tool's OpenAI schema: its parameters from its signature and type hints, its
+    description from its docstring's first line."""
+    parameters = inspect.signature(tool, eval_str=True).parameters.values()
+    properties = {p.name: {"type": JSON_TYPES.get(p.annotation, "string")} for p in parameters}
+    required = [p.name for p in parameters if p.default is p.empty]
+    schema = {"type": "object", "properties": properties, "required": required}
+    return openai_tool(name, (tool.__doc__ or "").strip().split("\n")[0], schema)
+
+
+def openai_tool(name, description, parameters) -> dict:
+    """A tool's schema in OpenAI's shape, as /v1's `tools` take it."""
+    function = {"name": name, "description": description or "", "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def takes_one_string(tool) -> bool:
+    """Whether a tool takes the text after its name as it is (one str parameter: calc, an MCP
+    tool's JSON), not keyword arguments from a JSON object."""
+    parameters = list(inspect.signature(tool, eval_str=True).parameters.values())
+    return len(parameters) == 1 and parameters[0].annotation in (str, inspect.Parameter.empty)
+
+
+# plain tools running at once, at most (the others wait for a slot, within their timeout)
+TOOL_THREADS = 16
 
 
 @dataclass(eq=False)
@@ -661,6 +776,8 @@ class RolloutEngine:
     engine: Engine
     # NAME -> function, besides the built-in `calc`
     tools: dict | None = None
+    # NAME -> OpenAI schema, where the function's signature does not tell it (MCP tools)
+    schemas: dict | None = None
     call_start: str = "<tool>"
     call_end: str = "</tool>"
     result_format: str = "<result>{}</result>"
@@ -669,28 +786,43 @@ class RolloutEngine:
 
     def __post_init__(self):
         self.tools = {"calc": calculator, **(self.tools or {})}
+        schemas = {name: python_tool_schema(name, f) for name, f in self.tools.items()}
+        self.schemas = schemas | (self.schemas or {})
+        self.slots = asyncio.Semaphore(TOOL_THREADS)
 
     @property
     def tool_names(self):
         return sorted(self.tools)
 
     async def call_tool(self, name, argument, allowed=None) -> str:
+        if allowed is not None and name not in allowed:
+            return f"error: tool '{name}' is not available"
+        if name not in self.tools:
+            return f"error: unknown tool '{name}'"
         try:
-            if allowed is not None and name not in allowed:
-                return f"error: tool '{name}' is not available"
-            if name not in self.tools:
-                return f"error: unknown tool '{name}'"
-            tool = self.tools[name]
-            # an async tool (I/O: an HTTP API, a sandbox) is awaited, a plain one runs in a thread
-            if asyncio.iscoroutinefunction(tool):
-                call = tool(argument)
-            else:
-                call = asyncio.to_thread(tool, argument)
-            return str(await asyncio.wait_for(call, self.tool_timeout))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.tool_timeout):
+                return str(await self.run_tool(self.tools[name], argument))
+        except TimeoutError:
             return f"error: tool '{name}' timed out after {self.tool_timeout} s"
-        except Exception as e:  # a tool's failure is the episode's business, not the server's
+        # a tool's failure is the episode's business, whatever it raises (SystemExit, a
+        # CancelledError of its own); only the cancelling of this request itself goes on up
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise
             return f"error: {type(e).__name__}: {e}"
+
+    async def run_tool(self, tool, argument):
+        """An async tool (I/O: an HTTP API, a sandbox) is awaited; a plain one runs in a thread
+        of its own, on one of TOOL_THREADS slots, which it gives back at its timeout."""
+        if takes_one_string(tool):
+            call = functools.partial(tool, argument)
+        else:
+            # keyword arguments, from a JSON object: NAME {"a": 1, "b": 2}
+            call = functools.partial(tool, **json.loads(argument or "{}"))
+        if asyncio.iscoroutinefunction(tool):
+            return await call()
+        async with self.slots:
+            return await in_daemon_thread(call)
 
     async def episode(
         self,
@@ -710,38 +842,51 @@ class RolloutEngine:
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
         ep = Episode([], [], [], [], [], "max_turns", [])
         ep.append(ids, logprobs=None)
-        for turn in range(max_turns):
-            # the tokens left after the prompt, for sampled and tool output alike
-            budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
-            p = params.clone()
-            p.n = 1
-            p.max_tokens = min(params.max_tokens, budget)
-            p.include_stop_str_in_output = True
-            p.stop = list(params.stop or []) + [call_end]
-            p.seed = None if params.seed is None else params.seed + 1000 * k + turn
-            [[c]] = await self.engine.generate([ep.token_ids], p)
-            ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
-            # exactly as sampled: never re-tokenised
-            ep.append(c.token_ids, c.logprobs)
-            ep.turns.append(dict(text=c.text, version=c.version, finish_reason=c.finish_reason))
-            text += c.text
-            if not c.text.endswith(call_end) or call_start not in text:
-                ep.finish_reason = c.finish_reason
-                break
-            if turn == max_turns - 1:
-                break
-            call = text[: -len(call_end)].rpartition(call_start)[2].strip()
-            name, _, argument = call.partition(" ")
-            result = await self.call_tool(name, argument, tools)
-            ep.tool_calls.append({"name": name, "argument": argument, "result": result})
-            output = self.result_format.format(result)
-            # tokenised once, here; the next turn's text starts after it
-            ep.append(self.engine.tokenizer.encode(output, add_special_tokens=False), None)
-            text = ""
-            if len(ep.token_ids) - len(ids) >= max_episode_tokens:
-                ep.finish_reason = "budget"
-                break
+        async with self.engine.episode():
+            for turn in range(max_turns):
+                # the tokens left after the prompt, for sampled and tool output alike
+                budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
+                p = params.clone()
+                p.n = 1
+                p.max_tokens = min(params.max_tokens, budget)
+                p.include_stop_str_in_output = True
+                p.stop = list(params.stop or []) + [call_end]
+                p.seed = None if params.seed is None else params.seed + 1000 * k + turn
+                [[c]] = await self.engine.generate([ep.token_ids], p, in_episode=True)
+                ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
+                # exactly as sampled: never re-tokenised
+                ep.append(c.token_ids, c.logprobs)
+                ep.turns.append(dict(text=c.text, version=c.version, finish_reason=c.finish_reason))
+                text += c.text
+                if not c.text.endswith(call_end) or call_start not in text:
+                    ep.finish_reason = c.finish_reason
+                    break
+                if turn == max_turns - 1:
+                    break
+                call = text[: -len(call_end)].rpartition(call_start)[2].strip()
+                name, _, argument = call.partition(" ")
+                result = await self.call_tool(name, argument, tools)
+                ep.tool_calls.append({"name": name, "argument": argument, "result": result})
+                # the next turn's text starts after the tool's output
+                text = ""
+                cut = self.append_output(ep, result, budget - len(c.token_ids))
+                if cut:
+                    ep.finish_reason = cut
+                    break
         return ep
+
+    def append_output(self, ep, result, budget) -> str | None:
+        """Append a tool's `result`, wrapped in `result_format` and tokenised once, cut to the
+        `budget` of tokens the episode has left and to what the context has: where it is cut, the
+        episode's finish reason ("budget" or "length")."""
+        output = self.result_format.format(result)
+        output = self.engine.tokenizer.encode(output, add_special_tokens=False)
+        # the next turn's prompt must leave room for a token: vLLM refuses it otherwise
+        context = self.engine.llm.model_config.max_model_len - 1 - len(ep.token_ids)
+        ep.append(output[: max(0, min(budget, context))], None)
+        if context < budget and len(output) > context:
+            return "length"
+        return "budget" if len(output) >= budget else None
 
     async def rollout(self, prompts, params: SamplingParams, *options):
         """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:

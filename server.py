@@ -22,13 +22,18 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import time
 import uuid
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors.torch import load as load_safetensors
@@ -38,7 +43,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers import ToolParserManager
 
 from client import DTYPES, TRANSPORTS, Episode, from_base64, load_function, model_error
-from engine import Engine, RolloutEngine, check_encodable, engine_args
+from engine import Engine, RolloutEngine, check_encodable, engine_args, openai_tool
 from local import tiny_model
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams, by type
@@ -98,6 +103,8 @@ class State:
 ENGINE = web.AppKey("engine", Engine)
 ROLLOUT = web.AppKey("rollout", RolloutEngine)
 STATE = web.AppKey("state", State)
+# the --mcp servers' tools: ({name: function}, {name: OpenAI schema})
+MCP = web.AppKey("mcp", tuple)
 
 
 class ApiError(web.HTTPException):
@@ -372,6 +379,11 @@ async def rollout(request):
         app, body, run_rollout, prompts, params, *episode_options, nbytes=nbytes
     )
     return web.json_response({"request_id": request_id}, status=202)
+
+
+async def tools(request):
+    """Every tool /rollout may call (Python and MCP) as OpenAI tool schemas, for /v1's `tools`."""
+    return web.json_response({"tools": list(request.app[ROLLOUT].schemas.values())})
 
 
 def requested_tasks(app, body) -> dict:
@@ -1045,6 +1057,67 @@ async def stop_requests(app):
         task.cancel()
 
 
+# -- MCP servers as tools (--mcp) -----------------------------------------------------------------
+async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event):
+    """Connect to every --mcp server, (NAME, command line or URL), and list its tools: `ready` gets
+    ({tool name: async function of a JSON argument string}, {tool name: OpenAI schema}); then hold
+    the connections until `stop` is set. One task enters and leaves them all, as the mcp package's
+    (anyio's) contexts must be left by the task that entered them."""
+    tools, schemas, where = {}, {}, ""
+    try:
+        async with AsyncExitStack() as stack:
+            for name, target in servers:
+                where = f"--mcp {name}={target}"
+                async with asyncio.timeout(60):
+                    session = await mcp_session(stack, target)
+                    listed = (await session.list_tools()).tools
+                for tool in listed:
+                    tools[tool.name] = functools.partial(call_mcp, session, tool.name)
+                    schemas[tool.name] = openai_tool(tool.name, tool.description, tool.input_schema)
+            ready.set_result((tools, schemas))
+            await stop.wait()
+    except Exception as e:
+        if not ready.done():
+            ready.set_exception(RuntimeError(f"{where}: {e!r}"))
+        print(f"the MCP connections ended: {e!r}", file=sys.stderr, flush=True)
+
+
+async def mcp_session(stack, target) -> ClientSession:
+    """An initialised MCP session with `target`: a URL (streamable HTTP), or a command line that
+    is started (stdio) and stopped when `stack` closes."""
+    if target.startswith(("http://", "https://")):
+        streams = await stack.enter_async_context(streamable_http_client(target))
+    else:
+        command, *args = shlex.split(target)
+        server = StdioServerParameters(command=command, args=args)
+        streams = await stack.enter_async_context(stdio_client(server))
+    session = await stack.enter_async_context(ClientSession(*streams))
+    await session.initialize()
+    return session
+
+
+async def call_mcp(session, name, argument: str) -> str:
+    """MCP tool `name` called with the JSON object `argument`: its result's text content."""
+    result = await session.call_tool(name, json.loads(argument) if argument.strip() else {})
+    text = "\n".join(c.text for c in result.content if c.type == "text")
+    return f"error: {text}" if result.is_error else text
+
+
+async def mcp_ctx(app):
+    """The --mcp servers' tools (app[MCP]), connected before the engine starts and closed after
+    it stops, in a task of their own (serve_mcp)."""
+    ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
+    task = asyncio.ensure_future(serve_mcp(app[STATE].flags.mcp or [], ready, stop))
+    try:
+        app[MCP] = await ready
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
+    yield
+    stop.set()
+    with suppress(TimeoutError):
+        await asyncio.wait_for(task, 10)
+
+
 def make_app(args, flags) -> web.Application:
     """The server for AsyncEngineArgs `args` and the server's `flags` (parse_args): the engine
     starts with the app and stops with it."""
@@ -1073,8 +1146,9 @@ def make_app(args, flags) -> web.Application:
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
-        tools = dict(flags.tool or [])
-        app[ROLLOUT] = RolloutEngine(engine, tools, tool_timeout=flags.tool_timeout)
+        mcp_tools, mcp_schemas = app[MCP]
+        tools = dict(flags.tool or []) | mcp_tools
+        app[ROLLOUT] = RolloutEngine(engine, tools, mcp_schemas, tool_timeout=flags.tool_timeout)
         if flags.tool_call_parser:
             parser = ToolParserManager.get_tool_parser(flags.tool_call_parser)
             state.tool_parser = functools.partial(parser, engine.tokenizer)
@@ -1084,6 +1158,7 @@ def make_app(args, flags) -> web.Application:
         engine.llm.shutdown()
 
     app.on_shutdown.append(stop_requests)
+    app.cleanup_ctx.append(mcp_ctx)
     app.cleanup_ctx.append(engine_ctx)
     app.add_routes(ROUTES)
     return app
@@ -1093,6 +1168,7 @@ ROUTES = [
     web.get("/health", health),
     web.post("/generate", generate),
     web.post("/rollout", rollout),
+    web.get("/tools", tools),
     web.post("/get_future", get_future),
     web.post("/abort", abort),
     web.post("/init_communicator", init_communicator),
@@ -1178,6 +1254,14 @@ def tool_flag(spec) -> tuple:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def mcp_flag(spec) -> tuple:
+    """--mcp NAME=COMMAND or NAME=URL: (NAME, the command or URL)."""
+    name, _, target = spec.partition("=")
+    if not name or not target.strip():
+        raise argparse.ArgumentTypeError(f"--mcp {spec}: NAME=COMMAND ARGS... or NAME=http://...")
+    return name, target
+
+
 def add_tool_flags(g):
     # a Python function of one string, that /rollout may call as NAME (repeatable; 'calc' is
     # built in)
@@ -1190,6 +1274,11 @@ def add_tool_flags(g):
         "--tool-call-parser",
         choices=ToolParserManager.list_registered(),
         help="vLLM's, e.g. hermes",
+    )
+    # an MCP server's tools, called with JSON arguments (repeatable): a command line, started and
+    # stopped with this server (stdio), or the URL of one that runs (streamable HTTP)
+    g.add_argument(
+        "--mcp", type=mcp_flag, action="append", metavar="NAME=COMMAND|URL", help="MCP tools"
     )
     # a tool that takes longer answers with an error
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")

@@ -122,7 +122,8 @@ class Config:
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
     success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
     task: str = flag("addition", "the built-in data and reward", ["addition", "calculator", "sums"])
-    max_turns: int = flag(3, "calculator task: model turns per episode", at_least=1)
+    max_turns: int = flag(3, "tool episodes: model turns per episode", at_least=1)
+    tools: str = flag("", "tool episodes with these server tools, NAME,... (calculator: calc)")
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
     server_url: str = flag("", "running servers: URL or URL,URL,... (default: --num-servers)")
     num_servers: int = flag(1, "servers to start on the model (GPUs: server k on GPU k)")
@@ -525,14 +526,22 @@ def check_versions(rollouts, seqs, staleness):
 
 
 # -- the schedules: submit_rollouts() sends a step's prompts, collect() hands them over ------------
+def episode_tools(cfg) -> list[str]:
+    """The server tools the episodes may call: --tools, else the task's (calculator: calc)."""
+    if cfg.tools:
+        return cfg.tools.split(",")
+    return ["calc"] if cfg.task == "calculator" else []
+
+
 def requester(client, cfg):
     """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
-    if cfg.task != "calculator":
+    tools = episode_tools(cfg)
+    if not tools:
         return client.generate
     # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
     episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
     return functools.partial(
-        client.rollout, tools=["calc"], max_turns=cfg.max_turns, max_episode_tokens=episode_tokens
+        client.rollout, tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens
     )
 
 
@@ -553,7 +562,7 @@ def submit_rollouts(client, rows, cfg, min_version=0):
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
     prompts = [r["prompt"] for r in rows]
-    if cfg.task == "calculator":
+    if episode_tools(cfg):
         # every prompt its own request
         return [request([prompt], is_async=True, **sampling) for prompt in prompts]
     # every prompt its own request, all in one call: the engine decodes one big batch
@@ -1438,9 +1447,13 @@ def connect(cfg, urls) -> Client:
     at once), and serve the --dtype asked for, if one was."""
     client = Client(urls[0]) if len(urls) == 1 else Router(urls)
     try:
-        served = client.health(timeout=5)["dtype"]
+        health = client.health(timeout=5)
     except (ConnectionError, ServerError) as e:
         sys.exit(f"error: --server-url: {e}")
+    served = health["dtype"]
+    missing = sorted(set(episode_tools(cfg)) - set(health["tools"]))
+    if missing:
+        sys.exit(f"error: --tools: the server has no tool {', '.join(missing)}: {health['tools']}")
     if cfg.dtype and cfg.dtype != served:
         sys.exit(f"error: --dtype {cfg.dtype}: the server serves {served} (its --dtype decides)")
     cfg.dtype = served

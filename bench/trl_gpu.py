@@ -520,7 +520,8 @@ def trl_vllm_serve(a, model):
     run it; yields its URL once /health answers."""
     import requests
 
-    from client import free_port, stop_server
+    from client import free_port
+    from local import stop_server
 
     port = free_port()
     cmd = [sys.executable, "-m", "trl.scripts.vllm_serve", "--model", model, "--port", str(port)]

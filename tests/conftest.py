@@ -71,9 +71,16 @@ def model_path():
     return tiny_model()
 
 
+# tools of one's own (tests/my_tools.py): plain ones, an async one that times out, and misbehaving
+# ones (tests/test_rollout.py)
+SESSION_TOOLS = ("reverse", "shout", "plus", "slow", "hang", "exits", "leak", "big")
+# a real MCP server (tests/mcp_tools.py), over stdio
+MCP_TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_tools.py")
+
+
 def start_session_server(log_path):
-    # tools of one's own (tests/my_tools.py), a plain one and an async one that times out
-    tools = [f"--tool={name}=tests.my_tools:{name}" for name in ("reverse", "shout", "slow")]
+    tools = [f"--tool={name}=tests.my_tools:{name}" for name in SESSION_TOOLS]
+    tools += ["--mcp", f"arith={sys.executable} {MCP_TOOLS}"]
     return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "2", log_path=log_path)
 
 
@@ -174,7 +181,7 @@ def tool_calling_model(path, steps=60):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    from client import save_model
+    from local import save_model
 
     save_model(model, tok, str(path))
     return str(path)

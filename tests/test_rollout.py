@@ -7,12 +7,19 @@ emits greedily after that prompt.
 Run: .venv/bin/python -m pytest tests/test_rollout.py
 """
 
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from conftest import position_gradients
+from conftest import MCP_TOOLS, position_gradients
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +27,13 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def greedy_rollout(client, prompt, **options):
-    # what the model says first
+def greedy_rollout(client, prompt, copies=None, **options):
+    """The episode of `prompt` whose call ends with the first character the model writes greedily
+    (with `copies`, the episodes of that many copies of it)."""
     first = client.generate([prompt], temperature=0.0, max_tokens=1)[0][0].text
-    [[episode]] = client.rollout([prompt], temperature=0.0, max_tokens=8, call_end=first, **options)
-    return episode
+    prompts = [prompt] * (copies or 1)
+    episodes = client.rollout(prompts, temperature=0.0, max_tokens=8, call_end=first, **options)
+    return [per[0] for per in episodes] if copies else episodes[0][0]
 
 
 def segments(episode):
@@ -68,9 +77,15 @@ def test_logprobs_exactly_on_sampled_tokens(client):
         ("calc 2+", "error: SyntaxError"),
         ("nosuch 1", "error: unknown tool 'nosuch'"),
         ("slow 30", "error: tool 'slow' timed out after 2.0 s"),
+        ("calc 9**9**9", "error: ValueError: result too large"),
+        ("calc 7**(10**7)", "error: ValueError: result too large"),
+        ("exits 3", "error: SystemExit: 3"),
+        ("leak x", "error: CancelledError"),
     ],
 )
 def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, error):
+    """Whatever a tool does (raises, exits, leaks a CancelledError, or computes a power of hours),
+    the episode gets an error text and goes on, and the server serves on."""
     ep = greedy_rollout(client, f"<tool>{call}", max_turns=2)
     assert ep.tool_calls[0]["result"].startswith(error)
     assert len(ep.turns) == 2  # the episode went on after the error
@@ -158,3 +173,207 @@ def test_training_on_episodes_puts_gradient_only_on_sampled_tokens(client, model
     target_mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # position t predicts token t+1
     assert (grad[~target_mask] == 0).all()
     assert (grad[target_mask] > 0).all()
+
+
+def test_100_hung_tool_calls_leave_the_other_tools_answering(client):
+    # each call of `hang` sleeps for 10 minutes; its slot is given back at its timeout (2 s)
+    episodes = greedy_rollout(client, "<tool>hang 1", copies=100, max_turns=2)
+    results = {ep.tool_calls[0]["result"] for ep in episodes}
+    assert results == {"error: tool 'hang' timed out after 2.0 s"}
+    ep = greedy_rollout(client, "<tool>reverse abc", max_turns=2)
+    assert ep.tool_calls[0]["result"] == "cba"
+    ep = greedy_rollout(client, "<tool>calc 2+3", max_turns=2)
+    assert ep.tool_calls[0]["result"] == "5"
+
+
+def test_hung_tools_do_not_hold_up_the_process_exit():
+    """A process whose tools hang still exits (the server's SIGTERM ends its loop the same way:
+    aiohttp then shuts the loop's executor down, which waits for every thread it holds). In a
+    process of its own, without an engine: RolloutEngine.call_tool needs none."""
+    code = (
+        "import asyncio, engine, tests.my_tools as t\n"
+        "r = engine.RolloutEngine(None, {'hang': t.hang}, tool_timeout=0.5)\n"
+        "async def main():\n"
+        "    print(set(await asyncio.gather(*(r.call_tool('hang', '') for _ in range(100)))))\n"
+        "asyncio.run(main())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "timed out after 0.5 s" in done.stdout
+
+
+def test_a_drain_update_waits_for_whole_tool_episodes(client, model_path):
+    """A push in drain mode that lands while the episodes' tool runs (1 s) waits for them to end:
+    every turn of an episode samples the same weights. In-flight mode labels each token with its
+    version instead: there, an episode spans two."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    first = client.generate(["<tool>slow 1"], temperature=0.0, max_tokens=1)[0][0].text
+    client.init_communicator()
+    try:
+        for mode in ("drain", "in-flight"):
+            future = client.rollout(
+                ["<tool>slow 1"] * 4, True, temperature=0.0, max_tokens=8, call_end=first
+            )
+            for _ in range(3):
+                client.update_model_params(model, mode=mode)
+            episodes = [ep for per in future.result() for ep in per]
+            assert all(ep.tool_calls[0]["result"] == "done" for ep in episodes)
+            spans = [len({v for v, _ in ep.versions}) for ep in episodes]
+            assert (max(spans) == 1) == (mode == "drain"), (mode, spans)
+            turns = [{t["version"] for t in ep.turns} for ep in episodes]
+            assert all(len(versions) == 1 for versions in turns) == (mode == "drain")
+    finally:
+        client.close_communicator()
+
+
+def test_a_tool_output_is_cut_to_the_budget_and_the_context(client, tokenizer):
+    prompt = "<tool>big 100000"
+    ep = greedy_rollout(client, prompt, max_turns=3, max_episode_tokens=64)
+    assert ep.finish_reason == "budget"
+    assert len(ep.token_ids) - len(tokenizer(prompt).input_ids) == 64
+    # a budget as long as the context: the context cuts it, and the next turn is never refused
+    context = client.health()["max_model_len"]
+    ep = greedy_rollout(client, prompt, max_turns=3, max_episode_tokens=context)
+    assert ep.finish_reason == "length"
+    assert len(ep.token_ids) == context - 1
+
+
+def test_a_fuzz_of_rollouts_with_misbehaving_tools_answers_no_5xx(client):
+    from client import ServerError
+
+    rng = random.Random(0)
+    calls = ["calc 9**9**9", "calc 2**4096*2**4096", "calc 1/0", "exits 1", "leak x", "hang 1"]
+    calls += ["big 50000", "slow 0.1", "nosuch 1", "reverse abc", "calc (((1)))", ""]
+    # the character each call's prompt is followed by greedily: with it as call_end, a call is made
+    ends = {
+        c: client.generate([f"<tool>{c}"], temperature=0.0, max_tokens=1)[0][0].text for c in calls
+    }
+    futures, statuses = [], []
+    for _ in range(40):
+        call = rng.choice(calls)
+        options = [
+            {"max_turns": rng.randint(1, 4), "max_episode_tokens": rng.choice([1, 8, 64, 5000])},
+            {"tools": rng.choice([None, [], ["calc"], ["hang", "big"]])},
+            {"max_tokens": rng.randint(1, 16), "n": rng.randint(1, 3), "temperature": 1.0},
+            {"call_start": rng.choice(["<tool>", "(", "c"]), "call_end": rng.choice(["1", ")"])},
+            {"max_turns": rng.choice([-1, "2", 1e9]), "tools": rng.choice(["calc", [1], {}])},
+        ]
+        body = {k: v for o in rng.sample(options, 2) for k, v in o.items()}
+        body = {"max_tokens": 4, "temperature": 0.0, "call_end": ends[call], **body}
+        try:
+            futures.append(client.rollout([f"<tool>{call}"] * rng.randint(1, 3), True, **body))
+        except ServerError as e:
+            statuses.append(e.status)
+    episodes = []
+    for future in futures:
+        try:
+            episodes += [ep for per in future.result() for ep in per]
+        except ServerError as e:
+            statuses.append(e.status)
+    assert all(status < 500 for status in statuses), statuses
+    assert len(futures) > 10 and client.health()["status"] == "ok"
+    # the misbehaving tools were called, and the episodes came back
+    called = {call["name"] for ep in episodes for call in ep.tool_calls}
+    assert len(called - {"slow", "reverse", "calc"}) >= 2, called
+
+
+def test_get_tools_lists_every_tool_as_openai_schemas(client):
+    tools = {t["function"]["name"]: t for t in client._request("GET", "/tools")["tools"]}
+    assert {"calc", "reverse", "plus", "add", "power"} <= set(tools)
+    plus = tools["plus"]["function"]
+    assert plus["parameters"]["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    assert plus["parameters"]["required"] == ["a"] and plus["description"].startswith("a + b")
+    # an MCP tool's schema is its server's own
+    assert tools["add"]["function"]["parameters"]["required"] == ["a", "b"]
+
+
+def test_python_tools_of_keyword_arguments_take_json(client):
+    ep = greedy_rollout(client, '<tool>plus {"a": 2, "b": 5}', max_turns=2)
+    assert ep.tool_calls[0]["result"] == "7"
+    ep = greedy_rollout(client, '<tool>plus {"b": 5}', max_turns=2)
+    assert ep.tool_calls[0]["result"].startswith("error: TypeError")
+
+
+@pytest.mark.parametrize(
+    "call,result",
+    [
+        ('add {"a": 2, "b": 3}', "5"),
+        ('power {"base": 3, "exponent": 3}', "27"),
+        ('fails {"reason": "no"}', "error: Error executing tool fails"),
+        ("add {bad", "error: JSONDecodeError"),
+        ("hangs", "error: tool 'hangs' timed out after 2.0 s"),
+        ('add {"a": 1, "b": 1}', "2"),
+        # the MCP server dies mid-call: its tools answer an error, the others go on
+        ("dies", "error: MCPError"),
+        ('add {"a": 1, "b": 1}', "error: MCPError"),
+        ("calc 1+1", "2"),
+    ],
+)
+def test_mcp_tools_over_stdio_in_episodes(client, call, result):
+    """The session server's --mcp arith=... (tests/mcp_tools.py): called with JSON arguments, in
+    this order (the last ones after the MCP server died)."""
+    ep = greedy_rollout(client, f"<tool>{call}", max_turns=2)
+    assert ep.tool_calls[0]["result"].startswith(result)
+    assert client.health()["status"] == "ok"
+
+
+def test_mcp_tools_over_streamable_http():
+    """serve_mcp connects to an MCP server over streamable HTTP as the server does at start, and
+    RolloutEngine calls its tools; in this process (a server on it would start an engine for
+    what the stdio test shows already)."""
+    import asyncio
+    import socket
+
+    import engine
+    import server
+    from client import free_port
+
+    port = free_port()
+    mcp = subprocess.Popen([sys.executable, MCP_TOOLS, "--port", str(port)], stderr=subprocess.PIPE)
+    for _ in range(300):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.1):
+            break
+        time.sleep(0.1)
+
+    async def calls():
+        ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
+        connected = asyncio.ensure_future(
+            server.serve_mcp([("arith", f"http://127.0.0.1:{port}/mcp")], ready, stop)
+        )
+        tools, schemas = await ready
+        rollouts = engine.RolloutEngine(None, tools, schemas, tool_timeout=2.0)
+        answers = [await rollouts.call_tool(name, argument) for name, argument in CALLS]
+        stop.set()
+        await asyncio.wait_for(connected, 10)
+        return answers
+
+    try:
+        answers = asyncio.run(calls())
+    finally:
+        mcp.kill()
+        mcp.wait()
+    assert answers[:3] == [
+        "5",
+        "error: Error executing tool fails",
+        "error: tool 'hangs' timed out after 2.0 s",
+    ]
+    assert answers[3] == "2" and answers[4].startswith("error: MCPError")
+
+
+CALLS = [("add", '{"a": 2, "b": 3}'), ("fails", '{"reason": "x"}'), ("hangs", "")]
+CALLS += [("add", '{"a": 1, "b": 1}'), ("dies", "")]
+
+
+def test_train_refuses_tools_the_server_lacks_before_the_first_step(client):
+    cfg = train.Config(tools="plus,nosuch")
+    with pytest.raises(SystemExit) as e:
+        train.connect(cfg, [client.base_url])
+    assert "nosuch" in str(e.value) and "\n" not in str(e.value)
+    assert train.episode_tools(cfg) == ["plus", "nosuch"]
+    assert train.episode_tools(train.Config(task="calculator")) == ["calc"]
+    assert train.episode_tools(train.Config()) == []
+    # the episodes call what --tools names, not a hard-coded list
+    assert train.requester(client, train.Config(tools="plus")).keywords["tools"] == ["plus"]
