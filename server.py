@@ -248,7 +248,7 @@ def add_request(app, body, work, *args, nbytes=0) -> str:
     body["min_version"] are loaded (run_at_version), holding its `nbytes` (check_room). Once it is
     done, its result waits --result-ttl seconds to be fetched, then it is dropped; with
     "keep_result" in the body, until it is fetched or aborted (a trainer's queued step), or no
-    /get_future came for --result-ttl s (its trainer died)."""
+    /get_future came for --kept-result-ttl s (its trainer died)."""
     state = app[STATE]
     request_id = uuid.uuid4().hex
     task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work, *args))
@@ -268,9 +268,9 @@ def drop_request(app, request_id) -> asyncio.Task:
 
 def expire(app, request_id, kept):
     """Drop a result not fetched --result-ttl s after it finished; a `kept` one once no /get_future
-    came for --result-ttl s (none waits, none began or ended)."""
+    came for --kept-result-ttl s (none waits, none began or ended: its trainer died)."""
     state = app[STATE]
-    ttl = state.flags.result_ttl
+    ttl = state.flags.kept_result_ttl if kept else state.flags.result_ttl
     idle = time.monotonic() - state.last_fetch
     if kept and (state.waiting or idle < ttl):
         delay = ttl if state.waiting else ttl - idle
@@ -1227,6 +1227,13 @@ def add_limit_flags(g):
     # the bodies of the requests waiting, running or unfetched, /v1 calls included
     g.add_argument("--max-pending-mb", type=int, default=1024, help="most MiB of bodies held")
     g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a result is kept")
+    # a trainer's queued steps wait unfetched while it trains: theirs is a bound for a dead trainer
+    g.add_argument(
+        "--kept-result-ttl",
+        type=float,
+        default=3600.0,
+        help="s a keep_result waits, nobody polling",
+    )
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
     # prompt and completions: its tokens); beyond these bounds a call is a 429. A session ends

@@ -423,6 +423,8 @@ def strict(model_path, tmp_path_factory):
         model_path,
         "--result-ttl",
         "2",
+        "--kept-result-ttl",
+        "2",
         "--max-pending",
         "4",
         "--max-pending-mb",
@@ -542,10 +544,10 @@ def test_openai_calls_count_against_max_pending(strict):
 
 def test_kept_results_expire_once_nobody_fetches(strict):
     """keep_result holds a result for its trainer while it fetches; one whose trainer died (no
-    /get_future for --result-ttl s) is dropped, not kept for the server's life."""
+    /get_future for --kept-result-ttl s) is dropped, not kept for the server's life."""
     _, client, _ = strict
     r = post(client, "/generate", json={"prompts": ["kept"], "max_tokens": 2, "keep_result": True})
-    time.sleep(5)  # done within a second, then --result-ttl 2 without a /get_future
+    time.sleep(5)  # done within a second, then --kept-result-ttl 2 without a /get_future
     gone = post(client, "/get_future", json={"request_id": r.json()["request_id"], "timeout": 5})
     assert gone.status_code == 404, gone.text
 
