@@ -209,6 +209,8 @@ class Config:
             self.model = os.path.dirname(state_path(self.resume))
         # a LoRA run's checkpoint is an adapter
         self.lora_rank = self.lora_rank or adapter_config(self.model).get("r", 0)
+        if self.lora_rank and ranks > 1:
+            raise ValueError("--lora-rank runs in one process only, not under torchrun (yet)")
 
 
 def parse_config(argv=None) -> Config:
@@ -307,6 +309,9 @@ def train(cfg: Config, client: Client, data=None):
             show_progress(bar, row)
         if cfg.eval_every:
             run_log.log_eval(cfg.steps, final_eval(client, held_out, cfg))
+    # frozen objects are never freed, not even at exit, where libtriton (which transformers
+    # imports) reports the ones it made as leaks (29 lines of nanobind's)
+    gc.unfreeze()
     save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rollouts)
     finish_run(cfg, rollouts.client, history)
     return history
