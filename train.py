@@ -1350,7 +1350,9 @@ def eval_only(client, cfg, held_out):
         os.remove(os.path.join(cfg.out, "eval_samples.jsonl"))
     if cfg.model and (cfg.server_url or cfg.lora_rank):
         model = load_policy(cfg)
-        client.init_communicator(host=cfg.trainer_host, device=cfg.device)
+        # an adapter goes in an HTTP body: no weight sync to set up
+        if not cfg.lora_rank:
+            client.init_communicator(host=cfg.trainer_host, device=cfg.device)
         client.update_model_params(model)
         client.close_communicator()
     return final_eval(client, held_out, cfg)
