@@ -852,7 +852,6 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
         "truncated": stats["truncated"].mean().item(),
-        # tool episodes: the share that called a tool
         "tool_share": stats["called"].mean().item(),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
