@@ -1058,11 +1058,12 @@ async def stop_requests(app):
 
 
 # -- MCP servers as tools (--mcp) -----------------------------------------------------------------
-async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event):
+async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event, taken=()):
     """Connect to every --mcp server, (NAME, command line or URL), and list its tools: `ready` gets
-    ({tool name: async function of a JSON argument string}, {tool name: OpenAI schema}); then hold
-    the connections until `stop` is set. One task enters and leaves them all, as the mcp package's
-    (anyio's) contexts must be left by the task that entered them."""
+    ({tool name: async function of a JSON argument string}, {tool name: OpenAI schema}), or an
+    error for a name in `taken` (--tool's, calc) or listed twice; then hold the connections until
+    `stop` is set. One task enters and leaves them all, as the mcp package's (anyio's) contexts
+    must be left by the task that entered them."""
     tools, schemas, where = {}, {}, ""
     try:
         async with AsyncExitStack() as stack:
@@ -1072,6 +1073,8 @@ async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event):
                     session = await mcp_session(stack, target)
                     listed = (await session.list_tools()).tools
                 for tool in listed:
+                    if tool.name in tools or tool.name in taken:
+                        raise ValueError(f"its tool '{tool.name}' has the name of another tool")
                     tools[tool.name] = functools.partial(call_mcp, session, tool.name)
                     schemas[tool.name] = openai_tool(tool.name, tool.description, tool.input_schema)
             ready.set_result((tools, schemas))
@@ -1107,7 +1110,9 @@ async def mcp_ctx(app):
     """The --mcp servers' tools (app[MCP]), connected before the engine starts and closed after
     it stops, in a task of their own (serve_mcp)."""
     ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
-    task = asyncio.ensure_future(serve_mcp(app[STATE].flags.mcp or [], ready, stop))
+    flags = app[STATE].flags
+    taken = {"calc", *dict(flags.tool or [])}
+    task = asyncio.ensure_future(serve_mcp(flags.mcp or [], ready, stop, taken))
     try:
         app[MCP] = await ready
     except RuntimeError as e:

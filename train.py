@@ -121,7 +121,9 @@ class Config:
     dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
     success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
-    task: str = flag("addition", "the built-in data and reward", ["addition", "calculator", "sums"])
+    task: str = flag(
+        "addition", "built-in data, reward", ["addition", "calculator", "power", "sums"]
+    )
     max_turns: int = flag(3, "tool episodes: model turns per episode", at_least=1)
     tools: str = flag("", "tool episodes with these server tools, NAME,... (calculator: calc)")
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
@@ -477,7 +479,7 @@ def accumulate_step(rollouts, model, tok, measure_all):
     queued = rollouts.queue[0]
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
-    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": []}
+    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
     stats = {"tokens": 0, "loss": 0.0, "gen": [], "train": [], "sync": []}
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
@@ -506,6 +508,9 @@ def accumulate_step(rollouts, model, tok, measure_all):
             # per sample: the tokens it sampled, and whether --max-tokens cut it
             tensors["lengths"].append(torch.tensor([sum(x["mask"]) for x in seqs]))
             tensors["truncated"].append(torch.tensor([x["truncated"] for x in seqs]).float())
+            tensors["called"].append(
+                torch.tensor([x.get("tool_calls", 0) > 0 for x in seqs]).float()
+            )
             # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
             sampled = [lp for x in seqs for lp, m in zip(x["logprobs"], x["mask"]) if m]
             tensors["sampled_logprobs"].append(torch.tensor(sampled))
@@ -535,7 +540,7 @@ def episode_tools(cfg) -> list[str]:
     """The server tools the episodes may call: --tools, else the task's (calculator: calc)."""
     if cfg.tools:
         return cfg.tools.split(",")
-    return ["calc"] if cfg.task == "calculator" else []
+    return {"calculator": ["calc"], "power": ["power"]}.get(cfg.task, [])
 
 
 def requester(client, cfg):
@@ -617,6 +622,7 @@ def sequence(row, sample, reward_fn):
             "reward": score(reward_fn, sample.turns[-1]["text"], row),
             "versions": per_token(spans, 0, len(sample.token_ids)),
             "truncated": sample.finish_reason == "length",
+            "tool_calls": len(sample.tool_calls),
         }
     prompt = sample.prompt_token_ids
     return {
@@ -851,6 +857,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
         "truncated": stats["truncated"].mean().item(),
+        "tool_share": stats["called"].mean().item(),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
@@ -1061,7 +1068,9 @@ def warm_start(base, path, cfg):
     tok = AutoTokenizer.from_pretrained(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
     for _ in tqdm(range(cfg.warm_start_steps), desc=f"warm start on {cfg.task}"):
-        rows = TASKS["sums" if cfg.task == "sums" else "addition"][0](64, rng.random())
+        rows = TASKS[cfg.task if cfg.task in ("sums", "power") else "addition"][0](64, rng.random())
+        if cfg.task == "power":
+            rows = power_warm_rows(rows, rng)
         # addition: any sum 0..8
         answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
         prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
@@ -1094,6 +1103,27 @@ def calculator_data(n, seed):
     qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
     prompt = "What is {}? Call <tool>calc EXPRESSION</tool>, then answer.\n"
     return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
+
+
+def power_data(n, seed):
+    """The MCP tool task: a power of two digits, "7^5=" -> "16807", which the tiny model cannot
+    compute but the `power` tool of tests/mcp_tools.py can (called with two arguments)."""
+    rng = random.Random(seed)
+    pairs = [(rng.randrange(2, 10), rng.randrange(2, 10)) for _ in range(n)]
+    call = '<tool>power {{"base":{},"exponent":{}}}</tool>'.format
+    return [{"prompt": f"{b}^{e}=", "answer": str(b**e), "call": call(b, e)} for b, e in pairs]
+
+
+def power_warm_rows(rows, rng):
+    """The power task's warm start: the tool's call with the row's numbers or a guessed answer, at
+    random (GRPO finds which pays), and after the tool's result, the result as the answer."""
+    turns = []
+    for r in rows:
+        first = rng.choice([r["call"], str(rng.randrange(10 ** rng.randrange(2, 9)))])
+        answered = f"{r['prompt']}{r['call']}<result>{r['answer']}</result>"
+        turns.append({"prompt": r["prompt"], "solution": first})
+        turns.append({"prompt": answered, "solution": r["answer"]})
+    return turns
 
 
 def sums_data(n, seed):
@@ -1196,6 +1226,7 @@ def sums_reward(completion: str, row: dict) -> float:
 TASKS = {
     "addition": (addition_data, addition_reward),
     "calculator": (calculator_data, answer_reward),
+    "power": (power_data, answer_reward),
     "sums": (sums_data, sums_reward),
 }
 
@@ -1283,7 +1314,7 @@ def sample_held_out(client, rows, cfg):
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
     sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
     request = requester(client, cfg)
-    if cfg.task == "calculator":
+    if episode_tools(cfg):
         futures = [request([r["prompt"]], is_async=True, **sampling) for r in rows]
     else:
         futures = client.submit_each([r["prompt"] for r in rows], **sampling)
@@ -1477,6 +1508,12 @@ def launch(cfg, k):
         rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= cfg.lora_rank)
         flags += ["--enable-lora", "--max-lora-rank", str(rank)]
         flags += ["--max-loras", str(cfg.max_staleness + 2), "--max-body-mb", "1024"]
+    if cfg.task == "power":
+        # its MCP server, tests/mcp_tools.py
+        mcp_tools = os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "tests", "mcp_tools.py"
+        )
+        flags += ["--mcp", f"arith={sys.executable} {mcp_tools}"]
     gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
     log = os.path.join(cfg.out, f"server{k}.log")
     return launch_server(*flags, *shlex.split(cfg.server_args), log_path=log, env=os.environ | gpu)

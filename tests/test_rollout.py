@@ -297,6 +297,22 @@ def test_python_tools_of_keyword_arguments_take_json(client):
     assert ep.tool_calls[0]["result"].startswith("error: TypeError")
 
 
+def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weights, tmp_path):
+    """train.py --task power on the session server, whose --mcp arith=... has the `power` tool
+    (before the test below ends that MCP server): the warm start teaches the call, and the run's
+    episodes call the MCP tool, with two arguments, and get its answers."""
+    args = ["--task", "power", "--server-url", client.base_url, "--max-tokens", "48"]
+    args += ["--max-turns", "2", "--steps", "2", "--out", str(tmp_path)]
+    history = train.main(args)
+    assert all(row["tool_share"] > 0 for row in history)
+    # the run's weights are the server's now: their episodes' calls, answered by the MCP server
+    prompts = [row["prompt"] for row in train.power_data(4, 0)]
+    episodes = client.rollout(prompts, tools=["power"], n=4, max_turns=2, max_tokens=48)
+    calls = [call for group in episodes for ep in group for call in ep.tool_calls]
+    assert calls and all(call["name"] == "power" for call in calls)
+    assert all(call["result"].isdigit() for call in calls)
+
+
 @pytest.mark.parametrize(
     "call,result",
     [
@@ -377,3 +393,28 @@ def test_train_refuses_tools_the_server_lacks_before_the_first_step(client):
     assert train.episode_tools(train.Config()) == []
     # the episodes call what --tools names, not a hard-coded list
     assert train.requester(client, train.Config(tools="plus")).keywords["tools"] == ["plus"]
+
+
+def test_an_mcp_tool_named_as_another_tool_is_refused_at_start():
+    """serve_mcp as the server calls it at start, with its --tool names and calc taken: an MCP tool
+    of one of those names, or of another --mcp server's tool, fails the start in one line (it
+    would replace the other tool); in this process, as the start fails before the engine's."""
+    import asyncio
+
+    import server
+
+    arith = ("arith", f"{sys.executable} {MCP_TOOLS}")
+
+    async def start(servers, taken):
+        ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
+        connected = asyncio.ensure_future(server.serve_mcp(servers, ready, stop, taken))
+        try:
+            return await ready
+        finally:
+            stop.set()
+            await asyncio.wait_for(connected, 10)
+
+    for servers, taken in [([arith], {"calc", "add"}), ([arith, arith], {"calc"})]:
+        with pytest.raises(RuntimeError, match="'add' has the name of another tool") as e:
+            asyncio.run(start(servers, taken))
+        assert "\n" not in str(e.value)
