@@ -177,10 +177,9 @@ def parse_config(argv=None) -> Config:
         if f.type is bool:
             options = {"action": argparse.BooleanOptionalAction}
         else:
+            # --task's choices are list(TASKS), defined below: a function
             choices = f.metadata["choices"]
-            # --task's: TASKS, defined below
-            if callable(choices):
-                choices = choices()
+            choices = choices() if callable(choices) else choices
             options = {"type": type(f.default), "choices": choices}
         # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
         parser.add_argument(
@@ -992,12 +991,10 @@ def warm_start(base, path, cfg):
 def addition_data(n, seed, digits=5):
     """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a = rng.randrange(digits)
-        b = rng.randrange(digits)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
-    return rows
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
+    ]
 
 
 def calculator_data(n, seed):
