@@ -19,7 +19,6 @@ Where this departs from the GRPO paper:
 import argparse
 import collections
 import contextlib
-import functools
 import gc
 import importlib.util
 import itertools
@@ -32,6 +31,7 @@ import shlex
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -70,49 +70,7 @@ def flag(default, help, choices=None, at_least=None):
 
 @dataclass
 class Config:
-    """The flags (`python train.py --help` prints this too). More on some of them:
-
-    --task: addition, the CPU demo's ("3+4=" -> "7"); sums, the GPU workload's (add up 2-16
-      numbers writing each running total, so completion lengths vary; each total scores by how
-      close it is); calculator, multi-turn episodes that may call the 'calc' tool, trained
-      with their loss mask (1 on the tokens the model sampled, 0 on the tools' answers).
-    --model-size: the built-in model (without --model) is local.tiny_model of this shape (tiny:
-      2 layers; 0.5b and 1.5b: Qwen2.5's), warm-started on the task (warm_start), both cached.
-    --dtype: the trainer keeps float32 weights; a server train.py starts serves --dtype (default
-      float32); with --server-url the server's own --dtype decides, and another one is an error.
-    --device: cpu sends the weights over gloo; cuda over CUDA IPC when the server is on the same
-      GPU, else over NCCL.
-    --train-micro-batch, --bf16, --gradient-checkpointing: memory. None of them changes the
-      gradient, only how it is computed.
-    --schedule, when the trainer gets which samples. overlap: submit the whole step, and train on
-      micro-batches of prompts in the order their groups finish; sync-batch: generate the whole
-      step as one batch, then train.
-    --max-staleness K. 0: every sample comes from the weights it is trained on (exactly
-      on-policy); K >= 1: steps s+1..s+K generate on older weights while step s trains, up to K
-      versions behind, corrected by truncated importance sampling (capped at --is-cap).
-    --update-mode. drain: a push lets the requests in flight finish on the old weights (no sample
-      mixes versions); in-flight: it pauses them, and they go on with the new weights (with K = 0
-      nothing is in flight at a push).
-    --mismatch-warning: warn at the first step if the mean |trainer - server| logprob of the
-      sampled tokens exceeds this (the tiny model: ~1e-6 in float32, 0.01 with a bfloat16 server).
-    --mismatch-every K: at the first step and every K steps, the trainer also computes the
-      logprobs of the samples it skips (groups whose rewards are all equal), so that mismatch_*
-      and is_weight_* cover every sampled token of the step, on every rank; other steps measure
-      the tokens trained on.
-    --lora-rank R: train a LoRA adapter of rank R (peft; scaled by --lora-alpha, default 2R) on
-      the --lora-targets layers of the frozen model; the optimizer holds the adapter alone, each
-      push sends it alone (Client.update_adapter), and a server train.py starts serves it
-      (--enable-lora, --max-loras K + 2); the checkpoint is the adapter, resumed and evaluated as
-      one (--resume, --eval-only --model CHECKPOINT).
-    --eval-*: held-out prompts, taken from the data and never trained on, scored with the task's
-      reward, every sample saved to eval_samples.jsonl: pass@k (unbiased, from --eval-n samples)
-      and maj@k (the most common final answer of the first k samples is right: majority_correct)
-      for each k of --pass-k, over all prompts and per task, sampled with --seed. --eval-prompts
-      0 (the default): 8, and with --eval-only every prompt of --dataset.
-    --wandb PROJECT: the metrics to Weights & Biases too (offline unless WANDB_MODE says otherwise),
-      where wandb is installed; TensorBoard's events are written to --out always.
-    Sampling is at --temperature only: with top_p or top_k, vLLM's logprobs are renormalised over
-    the truncated support, so the importance ratio and mismatch_* would be biased there."""
+    """The flags: `python train.py --help` lists them; docs/training.md says more of each."""
 
     # model, data, and where things run
     model: str = flag("", "HF folder or hub id (default: the built-in model, warm-started)")
@@ -121,9 +79,7 @@ class Config:
     dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
     success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
-    task: str = flag(
-        "addition", "built-in data, reward", ["addition", "calculator", "power", "sums"]
-    )
+    task: str = flag("addition", "the built-in data, reward and tools (TASKS)", lambda: list(TASKS))
     max_turns: int = flag(3, "tool episodes: model turns per episode", at_least=1)
     tools: str = flag("", "tool episodes with these server tools, NAME,... (calculator: calc)")
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
@@ -223,7 +179,10 @@ def parse_config(argv=None) -> Config:
         if f.type is bool:
             options = {"action": argparse.BooleanOptionalAction}
         else:
-            options = {"type": type(f.default), "choices": f.metadata["choices"]}
+            # --task's choices are list(TASKS), defined below: a function
+            choices = f.metadata["choices"]
+            choices = choices() if callable(choices) else choices
+            options = {"type": type(f.default), "choices": choices}
         # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
         parser.add_argument(
             as_flag(f.name), default=argparse.SUPPRESS, help=f.metadata["help"], **options
@@ -271,14 +230,13 @@ def train(cfg: Config, client: Client, data=None):
     rng = random.Random(cfg.seed)
     data, held_out = data or load_data(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    model, opt = make_model(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
-    start, queued_rows, history = start_run(cfg, opt, rng, data)
+    # under torchrun its sharded twin: the loop below is the same
+    policy_type = ShardedPolicy if dist.is_initialized() else Policy
+    policy = policy_type(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
+    start, queued_rows, history = start_run(cfg, policy.opt, rng, data)
     # the server samples from exactly our weights
-    rollouts = Rollouts(client, cfg, full_weights(model, cfg.dtype), queued_rows, start)
-    # What setup made (the modules of torch and transformers, the model, the data: ~700k objects)
-    # lives as long as the run: out of the cyclic garbage collector's way. A step's samples are
-    # ~10^5 objects, and without this its full passes over everything came every other step,
-    # ~0.4 s each, in the middle of a micro-batch (0.5B model, GPU).
+    rollouts = Rollouts(client, cfg, policy.weights(cfg.dtype), queued_rows, start)
+    # setup's objects live as long as the run: out of the garbage collector's way (docs/training.md)
     gc.freeze()
     t_run = time.time()
     # metrics, TensorBoard, plot.png (drawn too when the run stops: error, Ctrl-C); with `client`
@@ -287,7 +245,7 @@ def train(cfg: Config, client: Client, data=None):
         RunLog(cfg, history) as run_log,
         client,
         tqdm(range(start, cfg.steps), desc="GRPO", disable=None) as bar,
-        checkpoint_on_stop(cfg, model, tok, opt, rng, rollouts),
+        checkpoint_on_stop(cfg, policy, tok, rng, rollouts),
     ):
         for step in bar:
             t_step = time.time()
@@ -295,16 +253,17 @@ def train(cfg: Config, client: Client, data=None):
             if cfg.eval_every and step % cfg.eval_every == 0:
                 # on the weights this step samples; a step that loses the server goes without
                 evaluation = rollouts.unless_lost(evaluate, client, held_out, cfg)
-            stats = step_gradient(rollouts, model, tok, step - start)
+            # this is where the overlap happens: micro-batches train while the rest still generate
+            stats = step_gradient(rollouts, policy, tok, step - start)
             # the weights and the queue move on together: a stop in between leaves no checkpoint
             rollouts.next_step = None
-            optimizer_step(model, opt, stats, cfg)
+            policy.step(stats)
             sampled_version = rollouts.version
             rollouts.submit_next(rng, data, step)
             with timed(stats["sync"]):
-                rollouts.unless_lost(rollouts.push, full_weights(model, cfg.dtype))
+                rollouts.unless_lost(rollouts.push, policy.weights(cfg.dtype))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save_checkpoint(cfg, model, tok, opt, step + 1, rng, rollouts)
+                save_checkpoint(cfg, policy, tok, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
             warn_mismatch(row, cfg)
             run_log.log(row)
@@ -314,21 +273,21 @@ def train(cfg: Config, client: Client, data=None):
     # frozen objects are never freed, not even at exit, where libtriton (which transformers
     # imports) reports the ones it made as leaks (29 lines of nanobind's)
     gc.unfreeze()
-    save_checkpoint(cfg, model, tok, opt, cfg.steps, rng, rollouts)
+    save_checkpoint(cfg, policy, tok, cfg.steps, rng, rollouts)
     finish_run(cfg, rollouts.client, history)
     return history
 
 
 @contextlib.contextmanager
-def checkpoint_on_stop(cfg, model, tok, opt, rng, rollouts):
+def checkpoint_on_stop(cfg, policy, tok, rng, rollouts):
     """A run that stops (an error, Ctrl-C) leaves the checkpoint of its last completed step
     (RunLog draws its plot): `--resume` goes on from there."""
     try:
         yield
     except BaseException:
         # under torchrun the optimizer's state is sharded: a checkpoint there does not resume
-        if rollouts.next_step is not None and not dist.is_initialized():
-            save_checkpoint(cfg, model, tok, opt, rollouts.next_step, rng, rollouts)
+        if rollouts.next_step is not None and policy.resumable:
+            save_checkpoint(cfg, policy, tok, rollouts.next_step, rng, rollouts)
         raise
 
 
@@ -344,10 +303,8 @@ class QueuedStep:
 
 class Rollouts:
     """The loop's side of the server: the steps submitted and not yet trained on (oldest first),
-    the weights we pushed last and the version the server holds them as. Reconnecting lives
-    here: a call made through unless_lost() that finds the server lost (restarted, or not
-    reachable) waits for it, sets weight sync up again, pushes our weights, and leaves the queued
-    steps to be submitted again: what the lost server held is gone."""
+    the weights we pushed last and the version the server holds them as; reconnecting to a lost
+    server (unless_lost), after which the queued steps are submitted again."""
 
     def __init__(self, client, cfg, weights, queued_rows, start=0):
         self.client = client
@@ -399,16 +356,8 @@ class Rollouts:
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
     def submit_next(self, rng, data, step):
-        """When a step is sampled and submitted, decided here alone. Once step s has stepped the
-        optimizer, step s+1+K (K = --max-staleness) is sampled. On-policy (K = 0) it is submitted
-        at once, with the next version as min_version: the server holds it until our push of s's
-        weights lands, and then generates it on them, with no round trip between the push and the
-        generation. With K > 0 it is submitted at the start of the next step (accumulate_step),
-        on the weights that push left, and generates while steps s+1..s+K train: every step so
-        samples the weights K pushes older than the ones it trains on. (Held instead, it would
-        wait through the push's drain of the steps generating then, and the server holds a request
-        for a version at most --result-ttl.) Steps start..start+K, queued by start_run(), and the
-        steps a lost server held are submitted at the next step too."""
+        """Pop the step trained and queue step s+1+K (K = --max-staleness); on-policy, submit
+        it at once for the next version (docs/training.md, "When a step is sampled")."""
         self.queue.popleft()
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
             # rows sampled already (by a run of a larger K) come first, in their order
@@ -429,10 +378,8 @@ class Rollouts:
                 queued.requests = submit_rollouts(self.client, queued.rows, self.cfg, min_version)
 
     def push(self, weights):
-        """Push `weights` into the server, one version more than it held: a run whose versions
-        depart from one per step stops. A drain that takes long is no lost server: a healthy
-        server's 503 says that requests were still in flight after --drain-timeout and nothing
-        was sent, and we push again (push_until_done, for at most 600 s)."""
+        """Push `weights`, one version more than the server held (else the run stops); a drain
+        that outlasts --drain-timeout is no lost server: push_until_done pushes again."""
         self.weights = weights
         pushed = push_until_done(self.client, weights, mode=self.cfg.update_mode)
         if pushed != self.version + 1:
@@ -443,18 +390,16 @@ class Rollouts:
         self.version = pushed
 
 
-def step_gradient(rollouts, model, tok, steps_done):
-    """Accumulate the gradient of the oldest queued step (accumulate_step); if the server is lost
-    meanwhile, reconnect, submit again and start over (at most 3 times). Returns its statistics.
-    `steps_done` by this process: at its first step and every --mismatch-every steps, the
-    mismatch is measured on every sample, trained on or not."""
+def step_gradient(rollouts, policy, tok, steps_done):
+    """Accumulate the oldest queued step's gradient (accumulate_step), starting over if the server
+    is lost meanwhile (at most 3 times); at this process's first step and every --mismatch-every
+    steps the mismatch is measured on every sample. Returns the step's statistics."""
     measure_all = steps_done % rollouts.cfg.mismatch_every == 0
     for _ in range(3):
-        stats = rollouts.unless_lost(accumulate_step, rollouts, model, tok, measure_all)
+        stats = rollouts.unless_lost(accumulate_step, rollouts, policy, tok, measure_all)
         if stats is not None:
             return stats
-        lead("retry")
-        model.zero_grad(set_to_none=True)
+        policy.zero_grad()
     raise RuntimeError("the server was lost 3 times during one step")
 
 
@@ -466,13 +411,10 @@ def timed(intervals):
     intervals.append([start, time.time()])
 
 
-def accumulate_step(rollouts, model, tok, measure_all):
-    """Submit the queued steps not submitted yet; collect the oldest one's samples (with the
-    chosen schedule) and accumulate the policy gradient of each micro-batch as it lands, its
-    versions checked (check_versions); `measure_all`: compute the logprobs of the skipped samples
-    too (backward). Returns the step's rewards, tokens, per-token staleness, importance weights,
-    trainer-minus-server logprobs, and the intervals (time.time()) of generation on the server and
-    training here ("sync": the loop's)."""
+def accumulate_step(rollouts, policy, tok, measure_all):
+    """Submit the queued steps not submitted yet; collect the oldest one's samples and accumulate
+    the gradient of each micro-batch as it lands, its versions checked. Returns the step's
+    statistics and the intervals (time.time()) of generation and training."""
     cfg = rollouts.cfg
     # steps 0..K at the start, and the steps a lost server held (Rollouts.submit_next)
     rollouts.submit_queued()
@@ -488,31 +430,31 @@ def accumulate_step(rollouts, model, tok, measure_all):
         # the trainer waited for this micro-batch until now
         with timed(stats["train"]):
             # B = prompts * G
-            seqs = [sequence(r, x, reward_fn) for r, group in zip(rows, samples) for x in group]
+            seqs = []
+            for row, group in zip(rows, samples):
+                seqs += [sequence(row, sample, reward_fn) for sample in group]
             # the step was submitted that many pushes ago
             check_versions(rollouts, seqs, version - queued.version)
-            rewards = torch.tensor([seq["reward"] for seq in seqs]).view(len(rows), cfg.group_size)
+            rewards = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
-            tokens, is_weights, deltas, loss = backward_share(
-                model, cfg, seqs, advantages, version, tok.pad_token_id, measure_all
+            tokens, is_weights, deltas, loss = policy.backward(
+                seqs, advantages, version, tok.pad_token_id, measure_all
             )
             stats["tokens"] += tokens
             stats["loss"] += loss
             # how many versions behind ours the weights that sampled each completion token are
-            lags = [version - v for x in seqs for v, m in zip(x["versions"], x["mask"]) if m]
+            lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
             tensors["staleness"].append(torch.tensor(lags))
             tensors["rewards"].append(rewards.flatten())
             tensors["is_weights"].append(is_weights)
             tensors["logprob_deltas"].append(deltas)
             # per sample: the tokens it sampled, and whether --max-tokens cut it
-            tensors["lengths"].append(torch.tensor([sum(x["mask"]) for x in seqs]))
-            tensors["truncated"].append(torch.tensor([x["truncated"] for x in seqs]).float())
-            tensors["called"].append(
-                torch.tensor([x.get("tool_calls", 0) > 0 for x in seqs]).float()
-            )
+            tensors["lengths"].append(torch.tensor([sum(seq.mask) for seq in seqs]))
+            tensors["truncated"].append(torch.tensor([seq.truncated for seq in seqs]).float())
+            tensors["called"].append(torch.tensor([seq.tool_calls > 0 for seq in seqs]).float())
             # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
-            sampled = [lp for x in seqs for lp, m in zip(x["logprobs"], x["mask"]) if m]
+            sampled = [lp for seq in seqs for lp in seq.sampled(seq.logprobs)]
             tensors["sampled_logprobs"].append(torch.tensor(sampled))
     return stats | {key: torch.cat(values) for key, values in tensors.items()}
 
@@ -523,7 +465,7 @@ def check_versions(rollouts, seqs, staleness):
     went back mean a new server: ConnectionError, and the loop reconnects."""
     version = rollouts.version
     min_lag = staleness if rollouts.cfg.update_mode == "drain" else 0
-    versions = {v for seq in seqs for v in seq["versions"]}
+    versions = {v for seq in seqs for v in seq.versions}
     if version - staleness <= min(versions) and max(versions) <= version - min_lag:
         return
     # versions start again at 0 in a new server
@@ -540,26 +482,26 @@ def episode_tools(cfg) -> list[str]:
     """The server tools the episodes may call: --tools, else the task's (calculator: calc)."""
     if cfg.tools:
         return cfg.tools.split(",")
-    return {"calculator": ["calc"], "power": ["power"]}.get(cfg.task, [])
+    return list(TASKS[cfg.task].tools)
 
 
-def requester(client, cfg):
-    """The server call for the task: completions, or multi-turn tool episodes (one request each)."""
+def submit_prompts(client, prompts, cfg, **sampling):
+    """Each prompt its own request: completions, or with episode_tools multi-turn tool episodes.
+    Their RemoteFutures, in the prompts' order."""
     tools = episode_tools(cfg)
     if not tools:
-        return client.generate
+        # all in one call: the engine decodes one big batch
+        return client.submit_each(prompts, **sampling)
     # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
     episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
-    return functools.partial(
-        client.rollout, tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens
-    )
+    episode = dict(tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens)
+    return [client.rollout([prompt], is_async=True, **episode, **sampling) for prompt in prompts]
 
 
 def submit_rollouts(client, rows, cfg, min_version=0):
     """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
     rows' order (collect() decides when the trainer takes which). With `min_version` the server
     holds them until those weights are loaded (no round trip needed)."""
-    request = requester(client, cfg)
     sampling = dict(
         n=cfg.group_size,
         temperature=cfg.temperature,
@@ -571,20 +513,13 @@ def submit_rollouts(client, rows, cfg, min_version=0):
     if cfg.seed_requests:
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
-    prompts = [r["prompt"] for r in rows]
-    if episode_tools(cfg):
-        # every prompt its own request
-        return [request([prompt], is_async=True, **sampling) for prompt in prompts]
-    # every prompt its own request, all in one call: the engine decodes one big batch
-    return client.submit_each(prompts, **sampling)
+    return submit_prompts(client, [r["prompt"] for r in rows], cfg, **sampling)
 
 
 def collect(client, rows, futures, cfg):
-    """Yield the step's micro-batches as (rows, samples, server timings) with samples [prompt][G],
-    in the order the schedule hands them to the trainer. Whatever the order and composition of
-    micro-batches, the step's summed gradient is the same: only *when* the trainer gets each sample
-    changes. Micro-batches are split by prompt, never inside a prompt's group: a group's advantages
-    need all G of its rewards, so a group never straddles two micro-batches."""
+    """Yield the step's micro-batches as (rows, samples [prompt][G], server timings), in the order
+    the schedule hands them over; split by prompt, never inside a group, so any order gives the
+    same summed gradient (docs/training.md)."""
     size = len(rows) // cfg.micro_batches
     if cfg.schedule == "sync-batch":
         # wait for the whole step, then train on its slices
@@ -605,41 +540,62 @@ def collect(client, rows, futures, cfg):
 
 
 # -- a micro-batch's samples, their advantages and the policy gradient -----------------------------
-def sequence(row, sample, reward_fn):
-    """One sample as token ids (the prompt's as the server tokenised it), loss mask (1 = sampled by
-    the model), behaviour logprobs, reward (`reward_fn` of the completion and the row), and the
-    weight version that sampled each token."""
+@dataclass
+class Sample:
+    """One sample as the trainer reads it: token ids (the prompt's as the server tokenised it), loss
+    mask (1 = sampled by the model), behaviour logprobs (None where not sampled), the weight
+    version of each token, its reward, and whether --max-tokens cut it."""
+
+    ids: list
+    mask: list
+    logprobs: list
+    versions: list
+    reward: float = 0.0
+    truncated: bool = False
+    # tool calls of an episode
+    tool_calls: int = 0
+
+    def sampled(self, values):
+        """Those of per-token `values` at the tokens the model sampled."""
+        return [value for value, m in zip(values, self.mask) if m]
+
+
+def sequence(row, sample, reward_fn) -> Sample:
+    """A Completion or Episode as a Sample, its reward `reward_fn` of the completion and the row."""
     # Client.session's episode is None when the calls do not continue one another token for token
     if sample is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
     if isinstance(sample, Episode):
         # an episode merged from a session has no spans: its first turn's version
         spans = sample.versions or [[sample.turns[0]["version"], 0]]
-        return {
-            "ids": sample.token_ids,
-            "mask": sample.loss_mask,
-            "logprobs": sample.logprobs,
-            "reward": score(reward_fn, sample.turns[-1]["text"], row),
-            "versions": per_token(spans, 0, len(sample.token_ids)),
-            "truncated": sample.finish_reason == "length",
-            "tool_calls": len(sample.tool_calls),
-        }
+        return Sample(
+            ids=sample.token_ids,
+            mask=sample.loss_mask,
+            logprobs=sample.logprobs,
+            versions=per_token(spans, 0, len(sample.token_ids)),
+            reward=score(reward_fn, sample.turns[-1]["text"], row),
+            truncated=sample.finish_reason == "length",
+            tool_calls=len(sample.tool_calls),
+        )
     prompt = sample.prompt_token_ids
-    return {
-        "ids": prompt + sample.token_ids,
-        "mask": [0] * len(prompt) + [1] * len(sample.token_ids),
-        "logprobs": [None] * len(prompt) + sample.logprobs,
-        "reward": score(reward_fn, sample.text, row),
-        "versions": per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
-        "truncated": sample.finish_reason == "length",
-    }
+    return Sample(
+        ids=prompt + sample.token_ids,
+        mask=[0] * len(prompt) + [1] * len(sample.token_ids),
+        logprobs=[None] * len(prompt) + sample.logprobs,
+        versions=per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
+        reward=score(reward_fn, sample.text, row),
+        truncated=sample.finish_reason == "length",
+    )
 
 
 def per_token(spans, offset, length):
     """The version of each of `length` tokens, from [[version, first token]] spans that count from
     `offset` (tokens before it, never trained on, take the first version)."""
     starts = [0] + [offset + start for _, start in spans[1:]] + [length]
-    return [v for (v, _), a, b in zip(spans, starts, starts[1:]) for _ in range(a, b)]
+    versions = []
+    for (version, _), start, end in zip(spans, starts, starts[1:]):
+        versions += [version] * (end - start)
+    return versions
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -652,43 +608,73 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return torch.where(equal, 0.0, (rewards - mean) / (std + 1e-4))
 
 
-def backward_share(model, cfg, seqs, advantages, version, pad_id, measure_all):
-    """backward() of a micro-batch: in one process, of all of it. Under torchrun, of this rank's
-    share: whole groups (a group never straddles two ranks; its advantages were computed before
-    the split). Returns the whole micro-batch's completion tokens, which normalise the step, every
-    rank's importance weights and trainer-minus-server logprobs, and the summed loss."""
-    if not dist.is_initialized():
-        return backward(model, seqs, advantages, version, cfg, pad_id, measure_all)
-    lead("backward", seqs, advantages, version, pad_id, measure_all)
-    rank, ranks = dist.get_rank(), dist.get_world_size()
-    # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
-    share = slice(rank * len(seqs) // ranks, (rank + 1) * len(seqs) // ranks)
-    _, weights, deltas, loss = backward(
-        model, seqs[share], advantages[share], version, cfg, pad_id, measure_all
-    )
-    # the statistics of every rank's share
-    shares = [None] * ranks
-    dist.all_gather_object(shares, (weights, deltas, loss))
-    weights = torch.cat([w for w, _, _ in shares])
-    deltas = torch.cat([d for _, d, _ in shares])
-    loss = sum(loss for _, _, loss in shares)
-    return sum(sum(seq["mask"][1:]) for seq in seqs), weights, deltas, loss
+class Policy:
+    """The model trained and its optimizer, in one process: a micro-batch's backward, the optimizer
+    step, the weights to push, the state to save. ShardedPolicy is its torchrun twin; LoRA is
+    load_policy's."""
+
+    # the ranks whose gradients FSDP averages; sharded optimizer state does not resume
+    ranks = 1
+    resumable = True
+
+    def __init__(self, cfg, probe=None):
+        """The policy in float32 on --device; `probe`: (tokenizer, text) for check_logprobs."""
+        self.cfg = cfg
+        self.model = load_policy(cfg)
+        if probe:
+            check_logprobs(self.model, *probe)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            # transformers checkpoints only in training mode; the models we train have no dropout
+            self.model.train()
+        self.shard()
+        # with --lora-rank, the adapter's parameters alone
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0)
+
+    def shard(self):
+        """One process: nothing to shard."""
+
+    def backward(self, seqs, advantages, version, pad_id, measure_all):
+        """backward() of the whole micro-batch."""
+        return backward(self.model, seqs, advantages, version, self.cfg, pad_id, measure_all)
+
+    def step(self, stats):
+        """Normalise the step's summed gradient, clip it and step the optimizer."""
+        # the loss normalisation: divide the summed gradient by every completion token of the step
+        # (under torchrun FSDP has averaged the ranks' gradients: hence tokens / ranks)
+        with timed(stats["train"]):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad /= max(stats["tokens"], 1) / self.ranks
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            stats["grad_norm"] = norm.item()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def weights(self, dtype=""):
+        """{name: tensor} to push and save: the model's own parameters, no copy (`dtype` is for
+        the sharded twin); a peft model itself, whose adapter Client.update_model_params pushes."""
+        if self.cfg.lora_rank:
+            return self.model
+        return {name: p.detach() for name, p in self.model.named_parameters()}
 
 
-def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
-    """Accumulate the policy gradient of `seqs` (advantages (B,)) on our weights `version`,
-    --train-micro-batch sequences per forward/backward: any split gives the same summed gradient.
-    Returns the number of completion tokens, the stale tokens' importance weights, trainer minus
-    server logprob of each sampled token from the current weights (for mismatch_metrics): of the
-    samples trained on, or with `measure_all` of every sample; and the summed loss."""
+def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, skip=True):
+    """Accumulate the policy gradient of `seqs` on our weights `version`, --train-micro-batch
+    sequences per forward. Returns the completion tokens, the stale tokens' importance weights,
+    the trainer-minus-server logprobs and the summed loss (docs/training.md)."""
     # every completion token counts in the step's divisor: the skipped samples' below too
-    tokens = sum(sum(seq["mask"][1:]) for seq in seqs)
+    tokens = sum(sum(seq.mask[1:]) for seq in seqs)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
     # nothing to the gradient: no forward or backward for it. Its tokens stay in `tokens`, so the
     # step's summed and normalised gradient is the one it would be without the skip.
-    # (not under torchrun: there every rank must run as many forward/backward passes as the others,
-    # FSDP's gathers being collective)
-    trained = (advantages != 0) | dist.is_initialized()
+    # (not with `skip` off, as under torchrun: there every rank must run as many forward/backward
+    # passes as the others, FSDP's gathers being collective)
+    trained = (advantages != 0) | (not skip)
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
     loss = 0.0
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
@@ -696,7 +682,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False):
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
         index = chosen.nonzero().flatten()
         # longest first: a forward pads its sequences to the longest, so like lengths go together
-        index = sorted(index.tolist(), key=lambda i: -len(seqs[i]["ids"]))
+        index = sorted(index.tolist(), key=lambda i: -len(seqs[i].ids))
         part = [seqs[i] for i in index]
         size = cfg.train_micro_batch or max(len(part), 1)
         for i in range(0, len(part), size):
@@ -714,9 +700,11 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
     whole step is in). Returns the stale tokens' importance weights, the trainer minus server
     logprobs of the tokens the current weights sampled, and the loss."""
-    column = {key: [seq[key] for seq in seqs] for key in ("ids", "mask", "logprobs")}
-    batch = make_batch([[]] * len(seqs), column["ids"], pad_id, column["mask"], column["logprobs"])
-    versions = [torch.tensor(x["versions"]) for x in seqs]
+    ids = [seq.ids for seq in seqs]
+    masks = [seq.mask for seq in seqs]
+    old_logprobs = [seq.logprobs for seq in seqs]
+    batch = make_batch([[]] * len(seqs), ids, pad_id, masks, old_logprobs)
+    versions = [torch.tensor(seq.versions) for seq in seqs]
     # (b, T-1) True where weights older than ours sampled the target token
     stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
     autocast = torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16)
@@ -750,13 +738,8 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
-    set, 0 elsewhere (prompt and padding need no output layer). The server sampled from
-    softmax(postprocess_logits(logits) / temperature): the logits as the family's `forward` makes
-    them. The vocabulary-sized logits never exist for the whole
-    batch: the hidden states go through the output layer `chunk_tokens` positions at a time (the
-    target's log_softmax, fp32 within the chunk), and each chunk is recomputed in backward
-    (checkpoint). Value and gradient equal one big log_softmax's (a test checks); for a
-    150k vocabulary, 64 x 600 tokens of fp32 logits are 23 GB, a chunk of 2048 tokens 1.2 GB."""
+    set, 0 elsewhere; the output layer runs `chunk_tokens` positions at a time, recomputed in
+    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md)."""
     ids = batch["input_ids"].to(model.device)
     attention = batch["attention"].to(model.device)
     # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
@@ -787,16 +770,9 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
 
 
 def postprocess_logits(logits, config, scale=1.0):
-    """What a family's `forward` does to the output layer's logits, read from its config. vLLM
-    applies the same (its LogitsProcessor's soft_cap and scale), so the trainer must, or it trains
-    on another distribution than the one the server samples from:
-    - Gemma-2/3: final_logit_softcapping c -> c * tanh(logits / c)
-    - Granite: logits_scaling s -> logits / s
-    - Cohere: logit_scale s -> logits * s
-    A family that does anything else (or uses these names otherwise: HyperCLOVAX multiplies by its
-    logits_scaling) is caught before training by check_logprobs, which refuses to train.
-    `scale`: a factor more (1 / temperature). Returns fp32 logits, or `logits` themselves where
-    there is nothing to apply (most families, at temperature 1): no pass over them."""
+    """What a family's `forward` does to the output layer's logits (soft-capping, scaling), as vLLM
+    does, times `scale` (1 / temperature); `logits` themselves where there is nothing to apply.
+    Which families and why: docs/training.md."""
     config = config.get_text_config()
     cap = getattr(config, "final_logit_softcapping", None)
     scale *= (getattr(config, "logit_scale", None) or 1.0) / getattr(config, "logits_scaling", 1.0)
@@ -808,28 +784,12 @@ def postprocess_logits(logits, config, scale=1.0):
 
 
 def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
-    """The policy-gradient loss, summed over completion tokens: -w * A * log p(token), and w.
-    logprobs (B, T) under the trainer's weights; old_logprobs (B, T) the behaviour policy's, as
-    sampled; advantages (B,); mask (B, T); stale (B, T) True for tokens sampled by older weights.
-    w = 1 on-policy; stale tokens get truncated importance sampling (TIS): w = min(p / p_old,
-    is_cap), without gradient. The caller divides the step's gradient by its completion tokens."""
+    """The policy-gradient loss -w * A * log p(token), summed over the `mask`ed tokens, and w: 1
+    on-policy, truncated importance sampling min(p / p_old, is_cap) on `stale` tokens, without
+    gradient (docs/training.md). The caller divides by the step's completion tokens."""
     ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
     w = torch.where(stale, ratio, torch.ones_like(ratio))
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
-
-
-def optimizer_step(model, opt, stats, cfg):
-    lead("step", {"tokens": stats["tokens"], "train": []})
-    # the loss normalisation: divide the summed gradient by every completion token of the step
-    # (under torchrun FSDP has averaged the ranks' gradients: hence tokens / ranks)
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
-    with timed(stats["train"]):
-        for p in (p for p in model.parameters() if p.grad is not None):
-            p.grad /= max(stats["tokens"], 1) / ranks
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        stats["grad_norm"] = norm.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
@@ -886,14 +846,8 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
 
 
 def mismatch_metrics(deltas):
-    """How far the trainer's logprobs of the sampled tokens are from the server's (its processed
-    logprobs: at the sampling temperature, as sampled). `deltas`: trainer minus server, one per
-    token measured (see --mismatch-every) that the current weights sampled: a stale token's
-    difference would include
-    one step of policy change (with --max-staleness 1 only step 0 has such samples;
-    is_weight_* then measures both together). mismatch_kl is the k3 estimate of KL(server ||
-    trainer), mean over tokens of exp(d) - 1 - d: unbiased, since the server sampled the tokens,
-    and never negative. None when no token qualifies."""
+    """mismatch_mean, _max and _kl (the k3 estimate of KL(server || trainer)) of `deltas`, trainer
+    minus server logprob of each token measured; None when there is none (docs/training.md)."""
     counted = {"mismatch_tokens": len(deltas)}
     if not len(deltas):
         return counted | dict.fromkeys(("mismatch_mean", "mismatch_max", "mismatch_kl"))
@@ -939,26 +893,6 @@ def finish_run(cfg, client, history):
 
 
 # -- the model: the policy and its optimizer, its weights for the server, the built-in one ---------
-def make_model(cfg, probe=None):
-    """The policy in float32 on --device, and its optimizer. Under torchrun it is sharded with
-    FSDP2: each decoder layer a unit, gathered just before it runs; the rest (embeddings, final
-    norm, head) the root. `probe`: (tokenizer, text) for check_logprobs (rank 0 checks, before the
-    model is sharded)."""
-    lead("start", cfg)
-    model = load_policy(cfg)
-    if probe:
-        check_logprobs(model, *probe)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        # transformers checkpoints only in training mode; the models we train have no dropout
-        model.train()
-    if dist.is_initialized():
-        shard(model)
-    # with --lora-rank, the adapter's parameters alone
-    trained = [p for p in model.parameters() if p.requires_grad]
-    return model, torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0)
-
-
 def load_policy(cfg):
     """--model to train or evaluate on --device; with --lora-rank wrapped by peft, with the
     adapter of --model if it is one, else a new one (lora_B = 0: the model's own outputs)."""
@@ -1003,9 +937,8 @@ def load_model(path, device="cpu"):
 
 def check_logprobs(model, tok, text, atol=1e-3):
     """Refuse to train unless token_logprobs equals log_softmax of the model's own `forward` on
-    `text`, up to `atol`: a family whose `forward` post-processes logits in a way
-    postprocess_logits does not know would otherwise train, silently, on another distribution
-    than the server's. Returns the largest difference."""
+    `text`, up to `atol` (else it would train on another distribution than the server's).
+    Returns the largest difference."""
     batch = make_batch([[]], [tok(text).input_ids], pad_id=0)
     with torch.no_grad():
         ours = token_logprobs(model, batch)
@@ -1023,25 +956,6 @@ def check_logprobs(model, tok, text, atol=1e-3):
     return difference
 
 
-def full_weights(model, dtype=""):
-    """{name: tensor} for rank 0 to push and save. One process: the model's own parameters, no
-    copy. Under torchrun (every rank calls this at the start and after each optimizer step) each
-    parameter in turn is gathered from the ranks' shards, and only rank 0 keeps it, in the served
-    `dtype` (a name in client.DTYPES; "": as trained): no rank holds the full float32 weights,
-    only one parameter at a time."""
-    # a peft model: Client.update_model_params pushes its adapter alone
-    if hasattr(model, "peft_config"):
-        return model
-    if not dist.is_initialized():
-        return {name: p.detach() for name, p in model.named_parameters()}
-    weights = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        if dist.get_rank() == 0:
-            weights[name] = full.to(DTYPES.get(dtype, full.dtype))
-    return weights
-
-
 def builtin_model(cfg):
     """The built-in model: local.tiny_model of --model-size (seeded, nothing downloaded),
     warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
@@ -1055,11 +969,9 @@ def builtin_model(cfg):
 
 
 def warm_start(base, path, cfg):
-    """--warm-start-steps supervised steps of 64 prompts on --device (bf16 autocast with --bf16):
-    - addition (and calculator): the answer *format*, "a+b=" -> a number, then end-of-text, with
-      random numbers as labels: it learns to answer, not what to answer; GRPO finds the sums;
-    - sums: worked solutions, right: a model that can already answer, as RL starts from, and
-      whose answers are right in part (on the GPU, about a minute for the 0.5B shape)."""
+    """--warm-start-steps supervised steps of 64 of the task's warm_start_data rows on --device: a
+    row's "solution" where it has one (sums), else the answer format with a random number
+    (addition); docs/training.md says why."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(cfg.seed)
@@ -1068,9 +980,7 @@ def warm_start(base, path, cfg):
     tok = AutoTokenizer.from_pretrained(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
     for _ in tqdm(range(cfg.warm_start_steps), desc=f"warm start on {cfg.task}"):
-        rows = TASKS[cfg.task if cfg.task in ("sums", "power") else "addition"][0](64, rng.random())
-        if cfg.task == "power":
-            rows = power_warm_rows(rows, rng)
+        rows = TASKS[cfg.task].warm_start_data(64, rng.random())
         # addition: any sum 0..8
         answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
         prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
@@ -1114,9 +1024,11 @@ def power_data(n, seed):
     return [{"prompt": f"{b}^{e}=", "answer": str(b**e), "call": call(b, e)} for b, e in pairs]
 
 
-def power_warm_rows(rows, rng):
+def power_warm_data(n, seed):
     """The power task's warm start: the tool's call with the row's numbers or a guessed answer, at
     random (GRPO finds which pays), and after the tool's result, the result as the answer."""
+    rng = random.Random(seed)
+    rows = power_data(n, seed)
     turns = []
     for r in rows:
         first = rng.choice([r["call"], str(rng.randrange(10 ** rng.randrange(2, 9)))])
@@ -1146,7 +1058,7 @@ def load_data(cfg):
     """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
     evaluating), and no training row has one of their prompts."""
     if not cfg.dataset:
-        data = TASKS[cfg.task][0](100_000, cfg.seed)
+        data = TASKS[cfg.task].data(100_000, cfg.seed)
     else:
         data = read_dataset(cfg.dataset, reward_function(cfg))
     if not (cfg.eval_every or cfg.eval_only):
@@ -1164,10 +1076,9 @@ def load_data(cfg):
 
 
 def read_dataset(path, reward_fn):
-    """The rows of a jsonl file, every one checked before anything is generated: a JSON object with
-    a string "prompt" (and "task", if any; a row without one is of the task named after the file)
-    that the reward can score (an empty completion must get a number in [0, 1], so a field the
-    reward reads and the row lacks shows here). Raises ValueError naming the bad lines."""
+    """The rows of a jsonl file, every one checked before anything is generated (a string
+    "prompt" and "task", which defaults to the file's name, that the reward can score).
+    Raises ValueError naming the bad lines."""
     task = os.path.splitext(os.path.basename(path))[0]
     rows, errors = [], []
     with open(path) as f:
@@ -1222,12 +1133,25 @@ def sums_reward(completion: str, row: dict) -> float:
     return sum(scores) / len(row["totals"])
 
 
-# the built-in tasks (--task): their data, (n, seed) -> rows, and their reward
+@dataclass(frozen=True)
+class Task:
+    """A built-in task (--task): its data, (n, seed) -> rows; its reward, (completion, row) -> [0,
+    1]; the server tools its episodes call (none: one completion per sample); and the rows the
+    built-in model's warm start learns from."""
+
+    data: Callable
+    reward: Callable
+    tools: tuple = ()
+    warm_start_data: Callable = addition_data
+
+
 TASKS = {
-    "addition": (addition_data, addition_reward),
-    "calculator": (calculator_data, answer_reward),
-    "power": (power_data, answer_reward),
-    "sums": (sums_data, sums_reward),
+    "addition": Task(data=addition_data, reward=addition_reward),
+    "calculator": Task(data=calculator_data, reward=answer_reward, tools=("calc",)),
+    "power": Task(
+        data=power_data, reward=answer_reward, tools=("power",), warm_start_data=power_warm_data
+    ),
+    "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
 }
 
 
@@ -1243,7 +1167,7 @@ def distance(completion, answer):
 def reward_function(cfg):
     """--reward's function (module:function, importable from here), else the task's own."""
     if not cfg.reward:
-        return answer_reward if cfg.dataset else TASKS[cfg.task][1]
+        return answer_reward if cfg.dataset else TASKS[cfg.task].reward
     return load_function(cfg.reward, "--reward")
 
 
@@ -1276,10 +1200,9 @@ def pass_ks(cfg):
 
 
 def evaluate(client, rows, cfg):
-    """--eval-n samples per held-out row on the server's current weights, at the sampling
-    temperature, seeded with --seed; a sample is correct with a reward of at least
-    --success-threshold. Every sample is added to --out/eval_samples.jsonl (prompt, task,
-    completion, reward, correct, version). Returns eval_metrics' pass@k and maj@k."""
+    """--eval-n samples per held-out row on the server's weights, each added to
+    --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
+    eval_metrics' pass@k and maj@k."""
     reward_fn = reward_function(cfg)
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
@@ -1302,7 +1225,8 @@ def evaluate(client, rows, cfg):
             )
         groups.append(group)
     with open(os.path.join(cfg.out, "eval_samples.jsonl"), "a") as f:
-        f.writelines(json.dumps(record) + "\n" for group in groups for record in group)
+        for group in groups:
+            f.writelines(json.dumps(record) + "\n" for record in group)
     return eval_metrics(groups, pass_ks(cfg))
 
 
@@ -1313,11 +1237,7 @@ def sample_held_out(client, rows, cfg):
     greedy = {"temperature": 1.0, "top_k": 1}
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
     sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
-    request = requester(client, cfg)
-    if episode_tools(cfg):
-        futures = [request([r["prompt"]], is_async=True, **sampling) for r in rows]
-    else:
-        futures = client.submit_each([r["prompt"] for r in rows], **sampling)
+    futures = submit_prompts(client, [r["prompt"] for r in rows], cfg, **sampling)
     results = {}
     bar = tqdm(
         client.as_completed(futures), desc="held-out", total=len(futures), leave=False, disable=None
@@ -1394,32 +1314,23 @@ def state_path(run):
     return os.path.join(run, "checkpoint", "trainer_state.pt")
 
 
-def save_checkpoint(cfg, model, tok, opt, next_step, rng, rollouts):
-    """Replace --out/checkpoint with everything the run needs to go on at `next_step`: the model and
-    tokenizer (save_pretrained: a checkpoint is a model to serve too) and trainer_state.pt: the
-    optimizer, the step, and the data order (the sampler's RNG state and the rows of the steps
-    already sampled: `next_step` and, with --max-staleness K, the K after it). The weights saved
-    are the ones pushed last, full_weights': under torchrun the model's own are shards, and so is
-    the optimizer's state: such a checkpoint has no trainer_state.pt, it serves but does not
-    resume."""
+def save_checkpoint(cfg, policy, tok, next_step, rng, rollouts):
+    """Replace --out/checkpoint with the model, the tokenizer and, where `policy` resumes,
+    trainer_state.pt: the optimizer, `next_step` and the data order (docs/training.md)."""
     rows = [queued.rows for queued in rollouts.queue] + list(rollouts.sampled)
-    state = {"step": next_step, "optimizer": opt.state_dict(), "rng": rng.getstate(), "rows": rows}
+    optimizer = policy.opt.state_dict()
+    state = {"step": next_step, "optimizer": optimizer, "rng": rng.getstate(), "rows": rows}
     # the run's settings: a resume takes those not given again (resumed_settings)
     state["config"] = asdict(cfg)
-    extra = {} if dist.is_initialized() else {"trainer_state.pt": state}
+    extra = {"trainer_state.pt": state} if policy.resumable else {}
     # a LoRA run's: the adapter (PeftModel.save_pretrained)
     weights = None if cfg.lora_rank else rollouts.weights
-    save_model(model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
+    save_model(policy.model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
 
 
 def start_run(cfg, opt, rng, data):
-    """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's
-    (its --out made), or with --resume (the model is loaded from the checkpoint already) the
-    checkpoint's, after restoring the optimizer (at --lr) and the sampler's RNG; the metrics of the
-    steps before the checkpoint's. With --max-staleness K, the steps sampled before the checkpoint
-    (its next and the K after it) are generated anew on its weights, not on the older ones an
-    unbroken run used: they are less stale. Nothing else here draws random numbers: the models
-    have no dropout, and the server samples."""
+    """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's,
+    or with --resume the checkpoint's, its optimizer and RNG restored (docs/training.md)."""
     os.makedirs(cfg.out, exist_ok=True)
     start, rows, history = 0, [], []
     if cfg.resume:
@@ -1530,34 +1441,102 @@ def follow():
     """Ranks > 0 under torchrun: hold a shard of the model; train on our share of each micro-batch
     rank 0 hands over, step with it, and gather the full weights with it once at the start and
     after each step (rank 0 then pushes them)."""
-    # the first command is "start" (cfg, model and opt), or "stop" when rank 0 only evaluates
+    # the first command is "start" (cfg), or "stop" when rank 0 only evaluates
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         command, *args = box[0]
         if command == "start":
-            [cfg] = args
-            model, opt = make_model(cfg)
-            full_weights(model)
+            policy = ShardedPolicy(*args)
+            policy.weights()
         elif command == "backward":
-            backward_share(model, cfg, *args)
+            policy.backward(*args)
         elif command == "step":
-            optimizer_step(model, opt, *args, cfg)
-            full_weights(model)
+            policy.step(*args)
+            policy.weights()
         elif command == "retry":
-            opt.zero_grad(set_to_none=True)
+            policy.zero_grad()
         else:
             return
 
 
+class ShardedPolicy(Policy):
+    """The Policy sharded over the torchrun ranks with FSDP2: each decoder layer a unit, gathered
+    just before it runs, the rest (embeddings, final norm, head) the root. Rank 0 calls each
+    method and has the other ranks (in follow()) call it too."""
+
+    resumable = False
+
+    def __init__(self, cfg, probe=None):
+        """Rank 0 checks `probe` before the model is sharded."""
+        lead("start", cfg)
+        self.ranks = dist.get_world_size()
+        super().__init__(cfg, probe)
+
+    def shard(self):
+        """On the model's device (a CPU trainer on a GPU machine shards on the CPU)."""
+        shard(self.model)
+
+    def backward(self, seqs, advantages, version, pad_id, measure_all):
+        """backward() of this rank's share of the micro-batch: whole groups (a group never
+        straddles two ranks; its advantages were computed before the split). Returns what
+        Policy.backward does, of the whole micro-batch: every rank's statistics."""
+        lead("backward", seqs, advantages, version, pad_id, measure_all)
+        rank = dist.get_rank()
+        # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
+        share = slice(rank * len(seqs) // self.ranks, (rank + 1) * len(seqs) // self.ranks)
+        _, weights, deltas, loss = backward(
+            self.model,
+            seqs[share],
+            advantages[share],
+            version,
+            self.cfg,
+            pad_id,
+            measure_all,
+            False,
+        )
+        # the statistics of every rank's share
+        shares = [None] * self.ranks
+        dist.all_gather_object(shares, (weights, deltas, loss))
+        weights, deltas, losses = zip(*shares)
+        tokens = sum(sum(seq.mask[1:]) for seq in seqs)
+        return tokens, torch.cat(weights), torch.cat(deltas), sum(losses)
+
+    def step(self, stats):
+        lead("step", {"tokens": stats["tokens"], "train": []})
+        super().step(stats)
+
+    def zero_grad(self):
+        lead("retry")
+        super().zero_grad()
+
+    def weights(self, dtype=""):
+        """Every rank calls this at the start and after each step: each parameter in turn is
+        gathered from the ranks' shards, and only rank 0 keeps it, in `dtype` (client.DTYPES;
+        "": as trained): no rank holds the full float32 weights, only one parameter at a time."""
+        return full_weights(self.model, dtype)
+
+
 def shard(model):
-    """Shard the model over the torchrun ranks with FSDP2, on its device (a CPU trainer on a GPU
-    machine shards on the CPU)."""
+    """Shard the model over the torchrun ranks with FSDP2, on its device."""
     mesh = init_device_mesh(model.device.type, (dist.get_world_size(),))
     # the decoder layers: what transformers keeps whole when it splits a model over devices
     for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def full_weights(model, dtype=""):
+    """{name: tensor} gathered from the ranks' shards, rank 0's alone (ShardedPolicy.weights)."""
+    # a peft model: Client.update_model_params pushes its adapter alone
+    if hasattr(model, "peft_config"):
+        return model
+    weights = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if dist.get_rank() == 0:
+            weights[name] = full.to(DTYPES.get(dtype, full.dtype))
+    return weights
 
 
 if __name__ == "__main__":

@@ -69,12 +69,13 @@ def measure(side, a):
     prompt = a.tokens // 6
     ids = torch.randint(0, config.vocab_size, (a.seqs, a.tokens)).tolist()
     seqs = [
-        {
-            "ids": row,
-            "mask": [0] * prompt + [1] * (a.tokens - prompt),
-            "logprobs": [None] * prompt + [-1.0] * (a.tokens - prompt),
-            "versions": [0] * a.tokens,  # every token sampled by the weights trained: version 0
-        }
+        train.Sample(
+            ids=row,
+            mask=[0] * prompt + [1] * (a.tokens - prompt),
+            logprobs=[None] * prompt + [-1.0] * (a.tokens - prompt),
+            # every token sampled by the weights trained: version 0
+            versions=[0] * a.tokens,
+        )
         for row in ids
     ]
     advantages = torch.randn(a.seqs)
@@ -86,9 +87,7 @@ def measure(side, a):
         resident_pages = int(open("/proc/self/statm").read().split()[1])
         before = resident_pages * os.sysconf("SC_PAGE_SIZE")
     if side == "straightforward":
-        batch = train.make_batch(
-            [[]] * a.seqs, [s["ids"] for s in seqs], 0, [s["mask"] for s in seqs]
-        )
+        batch = train.make_batch([[]] * a.seqs, [s.ids for s in seqs], 0, [s.mask for s in seqs])
         straightforward(model, {k: v.to(device) for k, v in batch.items()}, advantages.to(device))
     else:
         cfg = train.Config(

@@ -82,12 +82,12 @@ def sequences(tok, n, max_tokens, seed=0):
 
 def ours(model, cfg, prompts, completions, advantages, pad_id):
     seqs = [
-        {
-            "ids": p + c,
-            "mask": [0] * len(p) + [1] * len(c),
-            "logprobs": [None] * len(p) + [-1.0] * len(c),
-            "versions": [0] * len(p + c),
-        }
+        train.Sample(
+            ids=p + c,
+            mask=[0] * len(p) + [1] * len(c),
+            logprobs=[None] * len(p) + [-1.0] * len(c),
+            versions=[0] * len(p + c),
+        )
         for p, c in zip(prompts, completions)
     ]
     train.backward(model, seqs, advantages, 0, cfg, pad_id)

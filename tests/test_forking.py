@@ -98,8 +98,7 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
         [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
     )
     assert (
-        train.sequence({"prompt": "p", "answer": "42"}, episode, train.answer_reward)["reward"]
-        == 1.0
+        train.sequence({"prompt": "p", "answer": "42"}, episode, train.answer_reward).reward == 1.0
     )
 
 

@@ -129,7 +129,7 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
             model,
             [seq],
             torch.tensor([1.0]),
-            max(seq["versions"]),  # the trainer's version: no token is stale
+            max(seq.versions),  # the trainer's version: no token is stale
             train.Config(model="m"),
             pad_id=1,
         ),
@@ -173,7 +173,7 @@ def test_a_merged_session_keeps_each_calls_weight_version(oa, model_name, server
     agent.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
     calls, episode = server.session("agent-3")
     assert episode is not None, calls
-    versions = train.sequence({"answer": ""}, episode, train.answer_reward)["versions"]
+    versions = train.sequence({"answer": ""}, episode, train.answer_reward).versions
     sampled = [v for v, m in zip(versions, episode.loss_mask) if m]
     first, second = (len(c["completion_token_ids"]) for c in calls)
     v0 = calls[0]["weight_version"]

@@ -119,12 +119,12 @@ def test_chunked_logprobs_and_their_gradient_are_one_log_softmax(model_path, tem
 
 def seqs_of(prompts, completions):
     return [
-        {
-            "ids": p + c,
-            "mask": [0] * len(p) + [1] * len(c),
-            "logprobs": [None] * len(p) + [-1.0] * len(c),
-            "versions": [0] * len(p + c),
-        }
+        train.Sample(
+            ids=p + c,
+            mask=[0] * len(p) + [1] * len(c),
+            logprobs=[None] * len(p) + [-1.0] * len(c),
+            versions=[0] * len(p + c),
+        )
         for p, c in zip(prompts, completions)
     ]
 
