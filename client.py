@@ -430,7 +430,7 @@ class Client(AbortsOnError):
     def _collect(self, request_ids, timeout=None, every=False):
         """Long-poll /get_future, in slices of at most 60 s, until one of `request_ids` is done:
         (its id, its result, its timing), or with `every`, a list of those for all of them that
-        are done by then. A result is [[Completion]], [[Episode]] or, for an update, a dict."""
+        are done by then. A result is [[Completion]] or [[Episode]]."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         body = {"request_ids": request_ids} if every else {"request_id": request_ids[0]}
         while True:
@@ -513,16 +513,9 @@ class Client(AbortsOnError):
         return self.buffers[slot][:size]
 
     def update_model_params(self, model, bucket_mb=32, mode="drain", version=0):
-        """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version: the next one, or `version` if higher (a Router keeps several servers on one
-        numbering). Tied weights are sent once, cast to the server's dtype. One call: POST
-        /update_weights announces every tensor (name, dtype, shape, offset in its bucket); the
-        server answers a first line once it has drained and its workers receive, and only then do
-        we send, so a slow drain cannot time our sends out; its second line is the new version.
-        ipc: one buffer the workers copy from; nccl/gloo: buckets of at most `bucket_mb` MiB,
-        through two alternating buffers (one is packed while one travels). `mode`: what becomes
-        of the requests in flight, "drain" or "in-flight" (engine.Engine.update_weights). A peft
-        model: its LoRA adapter alone (update_adapter)."""
+        """Push a torch.nn.Module's parameters (or a state dict; a peft model: its adapter) into the
+        server in one call; return the new weight version, or `version` if higher
+        (docs/internals.md#clientupdate_model_params)."""
         if hasattr(model, "peft_config"):
             return self.update_adapter(model, mode, version)
         if self.transport is None:
@@ -650,20 +643,9 @@ def push_until_done(client, model, timeout=600.0, **options):
 
 # -- several servers -------------------------------------------------------------------------------
 class Router(AbortsOnError):
-    """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`.
-    A batch's prompts are spread over the live servers, each prompt to the one with the fewest of
-    our prompts pending; a /rollout episode runs whole on one server; an OpenAI session's calls go
-    to the one server session_url() names. Every update reaches every live server and leaves them
-    all at one version. A busy server is asked again; one that is lost (server_lost) is dropped,
-    and re-admitted at the next update once it answers again: it receives that update's weights
-    and version with the others. Each server
-    keeps its own /health and /metrics (`router.clients[i].health()`).
-
-    Weight sync: one group per server, not one group spanning every server's workers. A group
-    cannot lose a member: with one group, a server that dies would stop weight sync for all, and
-    taking it back would mean building the group anew with every server. One group each costs one
-    send per server, in parallel; on the GPU a raw broadcast of 0.5B weights is ~3 ms of a ~60 ms
-    update (DESIGN.md), and bench/scale.py prints the update time with one server and with two."""
+    """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`,
+    prompts spread over the live servers, every update to each; a lost server is dropped and
+    re-admitted at the next update (docs/internals.md#router)."""
 
     def __init__(self, urls, **options):
         """`options`: Client's."""
