@@ -131,7 +131,8 @@ class Engine:
         # when the update looks, or it would generate on half-loaded weights.
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
-        version, self.in_flight = self.version, self.in_flight + len(prompts)
+        version = self.version
+        self.in_flight += len(prompts)
         lora = self.lora
         self.lora_users[lora] += len(prompts)
         sampling = final_output_params(params)
@@ -509,7 +510,9 @@ class WeightSyncWorker:
         # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
         if self.group is not None:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
-        self.transport, self.group, self.ipc_buffers = None, None, []
+        self.transport = None
+        self.group = None
+        self.ipc_buffers = []
 
     def receive_weights(self, buckets):
         """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
@@ -538,9 +541,10 @@ class WeightSyncWorker:
         if self.transport == "ipc":
             # views straight into the trainer's buffer, on this GPU, kept open for the next update
             self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-            return [
-                w for buf, b in zip(self.ipc_buffers, buckets) for w in unpack(buf, b["params"])
-            ]
+            received = []
+            for buffer, b in zip(self.ipc_buffers, buckets):
+                received += unpack(buffer, b["params"])
+            return received
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device
@@ -640,7 +644,12 @@ def tied_output_layers(model):
 
     layers = [m for m in model.modules() if isinstance(m, vocab.VocabParallelEmbedding)]
     heads = [m for m in layers if isinstance(m, vocab.ParallelLMHead)]
-    return [(h, e) for h in heads for e in layers if e is not h and e.weight is h.weight]
+    tied = []
+    for head in heads:
+        for embedding in layers:
+            if embedding is not head and embedding.weight is head.weight:
+                tied.append((head, embedding))
+    return tied
 
 
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------

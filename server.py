@@ -322,7 +322,8 @@ async def generate_and_count(app, prompts, params, priority=0):
     """Engine.generate, counted in /metrics."""
     results = await app[ENGINE].generate(prompts, params, priority)
     REQUESTS.inc()
-    COMPLETION_TOKENS.inc(sum(len(c.token_ids) for r in results for c in r))
+    for per_prompt in results:
+        COMPLETION_TOKENS.inc(sum(len(c.token_ids) for c in per_prompt))
     return results
 
 
@@ -335,7 +336,8 @@ async def run_completions(app, prompts, params, priority):
 
 async def generate_route(request):
     """/generate: one request for all the prompts, or with split_prompts one per prompt."""
-    app, body = request.app, await read_json(request)
+    app = request.app
+    body = await read_json(request)
     prompts, params = parse_request(app, body, extra=("split_prompts",))
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     split = checked_field(body, "split_prompts", bool, False)
@@ -353,14 +355,16 @@ async def generate_route(request):
 async def run_rollout(app, prompts, params, *options):
     episodes = await app[ROLLOUT].rollout(prompts, params, *options)
     REQUESTS.inc()
-    COMPLETION_TOKENS.inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
+    for per_prompt in episodes:
+        COMPLETION_TOKENS.inc(sum(sum(e.loss_mask) for e in per_prompt))
     return {"episodes": [[vars(e) for e in per_prompt] for per_prompt in episodes]}
 
 
 async def rollout_route(request):
     """/rollout: multi-turn tool episodes (RolloutEngine.rollout). A null option takes its
     default: every registered tool, RolloutEngine's call tags."""
-    app, body = request.app, await read_json(request)
+    app = request.app
+    body = await read_json(request)
     prompts, params = parse_request(app, body, extra=ROLLOUT_FIELDS)
     rollouts = app[ROLLOUT]
     given = {k: v for k, v in body.items() if v is not None}
@@ -400,7 +404,12 @@ def requested_tasks(app, body) -> dict:
         ids = [checked_field(body, "request_id", str)]
     elif "prompts" in body:
         key = args_key(body)
-        ids = [i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting][:1]
+        ids = []
+        # the oldest with these arguments that no other caller is waiting for
+        for request_id, (_, k, _) in state.tasks.items():
+            if k == key and request_id not in state.waiting:
+                ids = [request_id]
+                break
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}
@@ -412,13 +421,11 @@ def requested_tasks(app, body) -> dict:
 
 
 async def get_future(request):
-    """The result of `request_id`, or of the oldest request with the identical arguments, or
-    {"results": [...]} of all of `request_ids` that are done once one is (the trainer takes groups
-    in the order they finish); waiting at most `timeout` s. A failed request is answered alone
-    (the others that are done stay to be fetched): 404 if it was aborted (perhaps by /abort while
-    we waited), 422 if the engine refused it (e.g. a prompt longer than --max-model-len), 503 with
-    the cause if the engine died."""
-    body, state = await read_json(request), request.app[STATE]
+    """The result of one request (by id or by identical arguments), or of every one of
+    `request_ids` done once one is; waiting at most `timeout` s. A failed request answers alone:
+    404 aborted, 422 refused by the engine, 503 the engine died (docs/http.md)."""
+    body = await read_json(request)
+    state = request.app[STATE]
     timeout = checked_field(body, "timeout", float, 60, 0, 3600, " seconds")
     tasks = requested_tasks(request.app, body)
     # nothing awaited between the check in requested_tasks and this
@@ -461,7 +468,8 @@ async def abort(request):
 async def init_communicator(request):
     """The trainer chooses the transport; the workers follow. ipc: {transport, gpu (its UUID)};
     nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
-    body, state = await read_json(request), request.app[STATE]
+    body = await read_json(request)
+    state = request.app[STATE]
     transport = body.get("transport", "gloo")
     if transport not in TRANSPORTS:
         raise ApiError(f"'transport' must be one of {list(TRANSPORTS)}")
@@ -580,16 +588,9 @@ def ipc_handle_fits(handle, size) -> bool:
 
 
 async def update_weights(request):
-    """One weight update in one call (body: buckets, and a `mode`: "drain", the default, or
-    "in-flight", see Engine.update_weights), answered as two JSON lines: {"receiving": true} once
-    the workers receive (only then does the trainer send: a long drain cannot time its sends out),
-    then {"version", "receive_s", "load_s"} once loaded, or {"error", "status"}. An update is no
-    entry of the futures table: once its workers receive, nothing cancels it (no /abort, no full
-    table, no dropped connection), and it ends as Engine.load says: the version bumped; the old
-    weights and version kept (status 502: the transfer failed; set up weight sync again); or the
-    server exiting non-zero (500: a failed load may have mixed the weights). Before the first line:
-    400 for a wrong announcement, 409 without weight sync, 503 for a drain longer than
-    --drain-timeout (nothing was sent: try again)."""
+    """One weight update in one call, answered as two JSON lines: {"receiving": true} once the
+    workers receive (only then does the trainer send), then the outcome (Engine.load). Nothing
+    cancels it once the workers receive; its statuses: docs/http.md's /update_weights."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     buckets = check_buckets(body, state)
@@ -652,13 +653,10 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
 
 
 async def update_adapter(request):
-    """A LoRA adapter as the next version (--enable-lora). Body: `adapter_config` (the JSON of
-    its adapter_config.json), `adapter_model` (base64 of its adapter_model.safetensors), `mode` and
-    `version` as for /update_weights (Engine.update_adapter says what the modes mean here); the
-    answer {"version"} once it serves. 400 for an adapter the model cannot
-    take (check_adapter) or vLLM refuses (a server without --enable-lora too), 503 for a drain
-    longer than --drain-timeout: then nothing changed."""
-    body, state = await read_json(request), request.app[STATE]
+    """A LoRA adapter as the next version (--enable-lora): {"version"} once it serves; 400 for an
+    adapter the model cannot take, 503 for a drain over --drain-timeout, nothing changed then."""
+    body = await read_json(request)
+    state = request.app[STATE]
     config = checked_field(body, "adapter_config", dict)
     mode, version = update_mode(body)
     refused = f"adapter refused, version {request.app[ENGINE].version} kept"
