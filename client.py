@@ -401,12 +401,9 @@ class Client(AbortsOnError):
         return [RemoteFuture(self, i) for i in ids]
 
     def rollout(self, prompts, is_async=False, **options):
-        """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask,
-        logprobs, turns, tool_calls, finish_reason). Keyword arguments: n; `tools`, a list that
-        limits which registered tools may be called; max_turns (4) and max_episode_tokens (256);
-        call_start and call_end: a turn ending in `call_end` ("</tool>" unless given) calls
-        "NAME ARGUMENT" written after `call_start`; and generate's sampling fields (max_tokens 64
-        here, a turn's)."""
+        """Multi-turn tool episodes: a list per prompt of `n` Episode. Keyword arguments: n, tools,
+        max_turns (4), max_episode_tokens (256), call_start, call_end, and generate's sampling
+        fields (max_tokens 64 here, a turn's); docs/http.md#multi-turn-tool-episodes."""
         return self._submit(
             "/rollout", {"prompts": list(prompts), "max_tokens": 64, **options}, is_async
         )

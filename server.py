@@ -6,8 +6,8 @@
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
 routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
---enable-lora); /health and /metrics. docs/http.md lists
-every field. Every mistake of the caller is a 4xx with {"error": message}.
+--enable-lora); /health and /metrics; the OpenAI-compatible /v1 routes (openai_face.py).
+docs/http.md lists every field. Every mistake of the caller is a 4xx with {"error": message}.
 """
 
 import argparse
@@ -242,7 +242,8 @@ async def check_room(request, count=1) -> int:
 
 def add_request(app, body, work, *args, nbytes=0) -> str:
     """Start `work(app, *args)` under a new id once weights body["min_version"] are loaded,
-    holding its `nbytes` (check_room); its result expires as docs/http.md#the-futures-table says."""
+    holding its `nbytes` (check_room); its result expires as docs/internals.md#the-futures-table
+    says."""
     state = app[STATE]
     request_id = uuid.uuid4().hex
     task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work, *args))
