@@ -426,7 +426,7 @@ def strict(model_path, tmp_path_factory):
         "--session-ttl",
         "2",
         "--min-version-timeout",
-        "2",
+        "60",
         "--max-pending",
         "4",
         "--max-pending-mb",
@@ -513,7 +513,7 @@ def test_beyond_max_pending_is_a_429(strict):
 
 def held(client, **body):
     """A /generate request held until the next push (none comes: it fails after
-    --min-version-timeout)."""
+    --min-version-timeout, 60 s here: the tests abort it first)."""
     version = client.health()["version"]
     return post(client, "/generate", json={"prompts": ["a"], "min_version": version + 1, **body})
 
@@ -553,6 +553,17 @@ def test_kept_results_expire_once_nobody_fetches(strict):
     time.sleep(5)  # done within a second, then --result-ttl 2 without a /get_future
     gone = post(client, "/get_future", json={"request_id": r.json()["request_id"], "timeout": 5})
     assert gone.status_code == 404, gone.text
+
+
+def test_a_request_waits_for_its_version_past_the_result_ttl(strict):
+    """--min-version-timeout (60 here) bounds the wait for a version, not --result-ttl (2): once
+    one flag bounded both, and the request failed after 2 s."""
+    _, client, _ = strict
+    request_id = held(client).json()["request_id"]
+    time.sleep(3)
+    waiting = post(client, "/get_future", json={"request_id": request_id, "timeout": 0})
+    assert waiting.status_code == 408, waiting.text
+    post(client, "/abort", json={"request_id": request_id})
 
 
 def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
