@@ -228,12 +228,17 @@ def pack(named, bucket_bytes, dtype=None):
     """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes.
     Each tensor is announced in `dtype` (the server's; None: its own), which fill_bucket casts
     it to as it copies it in."""
-    buckets, params, tensors, size = [], [], [], 0
+    buckets = []
+    params = []
+    tensors = []
+    size = 0
     for name, t in named:
         nbytes = t.numel() * (dtype or t.dtype).itemsize
         if params and size + nbytes > bucket_bytes:
             buckets.append(({"size": size, "params": params}, tensors))
-            params, tensors, size = [], [], 0
+            params = []
+            tensors = []
+            size = 0
         kind = str(dtype or t.dtype).removeprefix("torch.")
         params.append({"name": name, "dtype": kind, "shape": list(t.shape), "offset": size})
         tensors.append(t)
@@ -267,14 +272,17 @@ class ServerError(Exception):
 
     def __init__(self, status, message, engine_dead=False):
         super().__init__(f"{status}: {message}")
-        self.status, self.message, self.engine_dead = status, message, engine_dead
+        self.status = status
+        self.message = message
+        self.engine_dead = engine_dead
 
 
 class RemoteFuture:
     """A request the server is working on; `result()` collects it with /get_future."""
 
     def __init__(self, client, request_id):
-        self.client, self.request_id = client, request_id
+        self.client = client
+        self.request_id = request_id
         # once fetched: when the server queued, started and finished it (its time.time())
         self.timing = None
         # the result once fetched (the server frees it then)
@@ -319,7 +327,8 @@ class Client(AbortsOnError):
         """`api_key` (default: $VLLM_API_KEY) for a server started with --api-key. Nothing is
         retried: a server that cannot be reached is a ConnectionError at once (a trainer waits
         for one that restarts: train.reconnect)."""
-        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
         key = api_key or os.environ.get("VLLM_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = requests.Session()
@@ -351,7 +360,8 @@ class Client(AbortsOnError):
                 # the /v1 routes: OpenAI's shape
                 message = message["message"] if isinstance(message, dict) else message
             except (ValueError, KeyError, TypeError):
-                reply, message = {}, r.text
+                reply = {}
+                message = r.text
             raise ServerError(r.status_code, message, reply.get("engine_dead", False))
         return r if stream else r.json()
 
@@ -391,12 +401,9 @@ class Client(AbortsOnError):
         return [RemoteFuture(self, i) for i in ids]
 
     def rollout(self, prompts, is_async=False, **options):
-        """Multi-turn tool episodes: a list per prompt of `n` Episode(token_ids, loss_mask,
-        logprobs, turns, tool_calls, finish_reason). Keyword arguments: n; `tools`, a list that
-        limits which registered tools may be called; max_turns (4) and max_episode_tokens (256);
-        call_start and call_end: a turn ending in `call_end` ("</tool>" unless given) calls
-        "NAME ARGUMENT" written after `call_start`; and generate's sampling fields (max_tokens 64
-        here, a turn's)."""
+        """Multi-turn tool episodes: a list per prompt of `n` Episode. Keyword arguments: n, tools,
+        max_turns (4), max_episode_tokens (256), call_start, call_end, and generate's sampling
+        fields (max_tokens 64 here, a turn's); docs/http.md#multi-turn-tool-episodes."""
         return self._submit(
             "/rollout", {"prompts": list(prompts), "max_tokens": 64, **options}, is_async
         )
@@ -415,7 +422,8 @@ class Client(AbortsOnError):
         return future if is_async else future.result()
 
     def get_future(self, request_id, timeout=None):
-        return self._collect([request_id], timeout)[1]
+        """The result of a submitted request, by its id (RemoteFuture.result)."""
+        return RemoteFuture(self, request_id).result(timeout)
 
     def as_completed(self, futures, timeout=None):
         """Yield (future, result) in the order the server finishes them, not the order given."""
@@ -430,7 +438,7 @@ class Client(AbortsOnError):
     def _collect(self, request_ids, timeout=None, every=False):
         """Long-poll /get_future, in slices of at most 60 s, until one of `request_ids` is done:
         (its id, its result, its timing), or with `every`, a list of those for all of them that
-        are done by then. A result is [[Completion]], [[Episode]] or, for an update, a dict."""
+        are done by then. A result is [[Completion]] or [[Episode]]."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         body = {"request_ids": request_ids} if every else {"request_id": request_ids[0]}
         while True:
@@ -458,13 +466,9 @@ class Client(AbortsOnError):
     def init_communicator(
         self, transport=None, host="127.0.0.1", device=None, weight_sync_timeout=60.0
     ):
-        """Set up weight sync with the server's workers. `device`: where the trainer's tensors are
-        (default: CUDA if available). `transport` (default: chosen from the device):
-          ipc   on the server's own GPU: the workers open CUDA IPC handles of our buffer
-          nccl  on another GPU: we host an NCCL group at `host`:<the server's group port>
-          gloo  on the CPU: the same over gloo
-        `host`: this machine's address as the workers reach it. `weight_sync_timeout`: seconds our
-        side of the group waits for the workers (the server has its own, same-named flag)."""
+        """Set up weight sync with the server's workers; `transport` ipc, nccl or gloo (default:
+        chosen from `device`, where the trainer's tensors are). `host`: this machine's address as
+        the workers reach it. `weight_sync_timeout`: our side's (the server has its own flag)."""
         self._drop_group()
         info = self.health()
         transport, self.device = choose_transport(transport, device, info["gpus"])
@@ -477,7 +481,8 @@ class Client(AbortsOnError):
             body |= {"host": host, "world_size": world_size}
         # the server's workers join the group while we host its store (rank 0): the request runs
         # on a thread, with a session of its own (a requests.Session is not thread-safe)
-        wait, http = weight_sync_timeout + 30, requests.Session()
+        wait = weight_sync_timeout + 30
+        http = requests.Session()
         with ThreadPoolExecutor(1) as pool:
             reply = pool.submit(self._request, "POST", "/init_communicator", body, wait, http)
             try:
@@ -503,7 +508,9 @@ class Client(AbortsOnError):
     def _drop_group(self):
         if self.group is not None:
             close_group(self.group)
-        self.group, self.transport, self.buffers = None, None, [None, None]
+        self.group = None
+        self.transport = None
+        self.buffers = [None, None]
 
     def _send_buffer(self, slot, size):
         """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
@@ -513,16 +520,9 @@ class Client(AbortsOnError):
         return self.buffers[slot][:size]
 
     def update_model_params(self, model, bucket_mb=32, mode="drain", version=0):
-        """Push a torch.nn.Module's parameters (or a state dict) into the server; return the new
-        weight version: the next one, or `version` if higher (a Router keeps several servers on one
-        numbering). Tied weights are sent once, cast to the server's dtype. One call: POST
-        /update_weights announces every tensor (name, dtype, shape, offset in its bucket); the
-        server answers a first line once it has drained and its workers receive, and only then do
-        we send, so a slow drain cannot time our sends out; its second line is the new version.
-        ipc: one buffer the workers copy from; nccl/gloo: buckets of at most `bucket_mb` MiB,
-        through two alternating buffers (one is packed while one travels). `mode`: what becomes
-        of the requests in flight, "drain" or "in-flight" (engine.Engine.update_weights). A peft
-        model: its LoRA adapter alone (update_adapter)."""
+        """Push a torch.nn.Module's parameters (or a state dict; a peft model: its adapter) into the
+        server in one call; return the new weight version, or `version` if higher
+        (docs/internals.md#clientupdate_model_params)."""
         if hasattr(model, "peft_config"):
             return self.update_adapter(model, mode, version)
         if self.transport is None:
@@ -601,11 +601,12 @@ class Client(AbortsOnError):
         # DDP, compile
         items = [(name.removeprefix("module.").removeprefix("_orig_mod."), t) for name, t in items]
         known = {t.data_ptr() for name, t in items if name in self.spec}
-        return [
-            (name, t.detach())
-            for name, t in items
-            if name in self.spec or t.data_ptr() not in known
-        ]
+        named = []
+        for name, t in items:
+            # a tied weight's other name: its tensor goes under the server's name
+            if name in self.spec or t.data_ptr() not in known:
+                named.append((name, t.detach()))
+        return named
 
 
 def read_json_line(lines):
@@ -617,13 +618,9 @@ def read_json_line(lines):
 
 
 def server_lost(e):
-    """Errors after which we set weight sync up with a server anew, once it answers: unreachable,
-    restarted (it no longer knows our request ids, 404, or has no weight sync set up, 409), or its
-    weight group broken (a transfer failed, 502, or could not be set up, 504). A busy server (503:
-    an update's drain outlasted --drain-timeout, nothing was sent) is not lost: push_until_done
-    asks it again. Another 4xx is our own mistake, and a 500 a failure that would come again (a
-    weight load that failed: the server exits): both are raised. A server whose engine died says
-    so, with the cause: waiting will not bring it back, so the run stops."""
+    """Whether to set weight sync up with the server anew once it answers: unreachable, restarted
+    (404, 409) or its weight group broken (502, 504); a 503 is busy, and a dead engine stops the
+    run (a RuntimeError with the cause). Other errors are raised by the caller."""
     if getattr(e, "engine_dead", False):
         raise RuntimeError(f"the server's engine died: {e.message}") from None
     return not isinstance(e, ServerError) or e.status in (404, 409, 502, 504)
@@ -650,20 +647,9 @@ def push_until_done(client, model, timeout=600.0, **options):
 
 # -- several servers -------------------------------------------------------------------------------
 class Router(AbortsOnError):
-    """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`.
-    A batch's prompts are spread over the live servers, each prompt to the one with the fewest of
-    our prompts pending; a /rollout episode runs whole on one server; an OpenAI session's calls go
-    to the one server session_url() names. Every update reaches every live server and leaves them
-    all at one version. A busy server is asked again; one that is lost (server_lost) is dropped,
-    and re-admitted at the next update once it answers again: it receives that update's weights
-    and version with the others. Each server
-    keeps its own /health and /metrics (`router.clients[i].health()`).
-
-    Weight sync: one group per server, not one group spanning every server's workers. A group
-    cannot lose a member: with one group, a server that dies would stop weight sync for all, and
-    taking it back would mean building the group anew with every server. One group each costs one
-    send per server, in parallel; on the GPU a raw broadcast of 0.5B weights is ~3 ms of a ~60 ms
-    update (DESIGN.md), and bench/scale.py prints the update time with one server and with two."""
+    """Several servers behind Client's methods: `Router(["http://a:8000", "http://b:8000"])`,
+    prompts spread over the live servers, every update to each; a lost server is dropped and
+    re-admitted at the next update (docs/internals.md#router)."""
 
     def __init__(self, urls, **options):
         """`options`: Client's."""

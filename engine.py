@@ -5,12 +5,12 @@
 
 In reading order:
 1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
-   it. `update_weights` runs an update in its phases: `paused` closes the gate and drains (or
-   pauses) the requests in flight; `load` has every worker receive the buckets, then load them;
-   `bump` labels the new version; leaving `paused` reopens the gate. An update is atomic: it bumps
-   the version, or keeps the old weights and version, or the engine fails for good and the server
-   exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the next version instead,
-   and each request keeps the adapter it was admitted with.
+   it. `update_weights` runs an update in its phases: `gate_closed` closes the gate and drains
+   (or pauses) the requests in flight; `load` has every worker receive the buckets, then load
+   them; `bump` labels the new version; leaving `gate_closed` reopens the gate. An update is
+   atomic: it bumps the version, or keeps the old weights and version, or the engine fails for
+   good and the server exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the
+   next version instead, and each request keeps the adapter it was admitted with.
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -83,8 +83,8 @@ class Engine:
         self.load_error = None  # set when an update failed while loading: the server then exits
         # vLLM logs why its engine core died in the worker processes only: they copy it here
         self.worker_errors = os.path.join(tempfile.gettempdir(), f"vllm-errors-{uuid.uuid4()}.log")
-        # vLLM 0.26: request id -> {completion index: [[version, first token]]} (version_spans)
-        self.marks = {}
+        # the weight version of every sampled token (vLLM 0.32 labels them, we count for 0.26)
+        self.labels = VersionLabels(self.llm)
         self.tokenizer = self.llm.tokenizer
         # --enable-lora: the adapters loaded, oldest first; the one new requests get (None: the
         # base model alone); how many prompts in flight use each
@@ -131,7 +131,8 @@ class Engine:
         # when the update looks, or it would generate on half-loaded weights.
         if self.error:
             raise RuntimeError(f"engine unusable: {self.error}")
-        version, self.in_flight = self.version, self.in_flight + len(prompts)
+        version = self.version
+        self.in_flight += len(prompts)
         lora = self.lora
         self.lora_users[lora] += len(prompts)
         sampling = final_output_params(params)
@@ -152,13 +153,17 @@ class Engine:
             self.lora_users[lora] -= len(prompts)
             # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too. None:
             # a request keeps the adapter it was admitted with to its end, and so its version
-            marks = [None if lora else self.marks.pop(request_id, {}) for request_id in request_ids]
+            marks = [None if lora else self.labels.pop(request_id) for request_id in request_ids]
             await self.notify_if_idle()
+        results = []
         # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
-        return [
-            [completion(c, out.prompt_token_ids, params.logprobs, version, m) for c in out.outputs]
-            for out, m in zip(outputs, marks)
-        ]
+        for out, m in zip(outputs, marks):
+            per_prompt = []
+            for c in out.outputs:
+                spans = self.labels.spans(c, version, m)
+                per_prompt.append(completion(c, out.prompt_token_ids, params.logprobs, spans))
+            results.append(per_prompt)
+        return results
 
     @asynccontextmanager
     async def episode(self):
@@ -196,29 +201,20 @@ class Engine:
     async def update_weights(
         self, buckets, ready, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, version=0
     ):
-        """Load new weights in the workers (WeightSyncWorker.receive_weights) and bump the version
-        (to `version` if that is higher: a trainer keeping several servers on one numbering);
-        returns it and the workers' timings. `ready` (a future) is resolved once the workers are
-        told to receive: the trainer may send. From then on an update is atomic (see `load`).
-        New requests wait at the gate meanwhile; the requests in flight, by `mode`:
-          drain      finish on the old weights first (within `drain_timeout`, or a TimeoutError
-                     and nothing was sent): no completion mixes two versions;
-          in-flight  stop where they are, and go on after the update with the new weights: their
-                     KV is computed again, so each token after it is the new weights' own, and
-                     each completion carries the version of every token (`versions`).
-        A caller that can speak to the trainer between the phases may run them itself:
-        `async with engine.paused(...)`, tell the trainer to send, `await engine.load(...)`."""
-        async with self.paused(mode, drain_timeout, weight_sync_timeout) as drain_s:
+        """Load new weights in every worker and bump the version; returns it and the timings.
+        `ready` is resolved once the workers are told to receive. `mode` "drain" or "in-flight":
+        docs/internals.md#engineupdate_weights."""
+        async with self.gate_closed(mode, drain_timeout, weight_sync_timeout) as drain_s:
             # the workers are told to receive next: the trainer may send
             ready.set_result(None)
             version, timings = await self.load(buckets, weight_sync_timeout, version)
         return version, {"drain_s": drain_s, **timings}
 
     @asynccontextmanager
-    async def paused(self, mode, drain_timeout, timeout):
+    async def gate_closed(self, mode, drain_timeout, timeout):
         """One update at a time: close the gate, drain or pause the requests in flight (`mode`, as
-        in update_weights) and yield the seconds that took; on the way out, resume the paused
-        requests and reopen the gate. `mode` None: neither (an adapter update, update_adapter)."""
+        in update_weights; None: neither) and yield the seconds that took; on the way out, resume
+        the paused requests and reopen the gate."""
         async with self.update_lock:
             self.gate.clear()
             self.updating = mode
@@ -229,8 +225,9 @@ class Engine:
                 elif mode == "in-flight":
                     # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
                     # requests in flight where they are, then sleeps 20 ms so that outputs already
-                    # sent are likely processed. We ask its engine core, and track_versions waits
-                    # for those outputs where it needs them; resume_generation() undoes the pause.
+                    # sent are likely processed. We ask its engine core, and VersionLabels.label
+                    # waits for those outputs where it needs them; resume_generation() undoes the
+                    # pause.
                     pause = self.llm.engine_core.pause_scheduler_async(
                         mode="keep", clear_cache=False
                     )
@@ -252,19 +249,9 @@ class Engine:
             )
 
     async def load(self, buckets, timeout, version=0):
-        """Receive and load in every worker, then bump the version (to `version` if that is
-        higher). Called while `paused`. It ends in one of three ways (the server never cancels it:
-        an update is no entry of its futures table):
-        - the version goes up (by one, unless `version` says more): every worker loaded the new
-          weights;
-        - ConnectionError: the weights never arrived (the trainer died or timed out), nothing was
-          loaded, the old weights and version stay;
-        - RuntimeError, and the engine marks itself failed for good (`self.error`): a load failed
-          part-way, or a worker did not answer, or the bump failed. The weights may be mixed: no
-          request is served any more, and the server exits non-zero (server.watch_engine), as when
-          vLLM's engine dies, so that a supervisor restarts it on its checkpoint. We do not wait
-          for a later push to heal it: what made a load fail (a CUDA error, a model family we load
-          wrongly) usually stays."""
+        """Receive and load in every worker, then bump the version (to `version` if higher), while
+        the gate is closed. Atomic: the version bumped, a ConnectionError with nothing changed, or a
+        RuntimeError with the engine failed for good (docs/internals.md#engineload)."""
         start = time.perf_counter()
         # requests still in flight now were paused mid-way (in-flight mode; a drain leaves none)
         paused = self.in_flight > 0
@@ -273,13 +260,13 @@ class Engine:
                 "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
             )
         except Exception as e:
-            self.fail_for_good(f"a worker did not answer the update: {e!r}")
+            raise self.fail_for_good(f"a worker did not answer the update: {e!r}") from None
         missed = [a["receive_error"] for a in answers if "receive_error" in a]
         if len(missed) == len(answers):
             raise ConnectionError(f"the new weights did not arrive: {missed[0]}")
         failed = missed + [a["load_error"] for a in answers if "load_error" in a]
         if failed:
-            self.fail_for_good(f"a worker failed to load its weights: {failed[0]}")
+            raise self.fail_for_good(f"a worker failed to load its weights: {failed[0]}")
         rpc_s = time.perf_counter() - start
         await self.bump(max(self.version + 1, version), paused, timeout)
         reset_s = time.perf_counter() - start - rpc_s
@@ -297,11 +284,11 @@ class Engine:
                 self.llm.reset_prefix_cache(reset_running_requests=True), timeout
             ):
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")
-            await asyncio.wait_for(track_versions(self.llm, version, self.marks), timeout)
+            await asyncio.wait_for(self.labels.label(version), timeout)
         except Exception as e:
-            self.fail_for_good(
+            raise self.fail_for_good(
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
-            )
+            ) from None
         self.version = version
         # new base weights: an adapter trained on the old ones no longer applies
         self.lora = None
@@ -309,15 +296,9 @@ class Engine:
             self.new_version.notify_all()
 
     async def update_adapter(self, config, weights, mode, drain_timeout, timeout, version=0):
-        """Serve a LoRA adapter (`config`: its adapter_config.json's, `weights`: its
-        adapter_model.safetensors file, as PEFT saves them) as the next version, or
-        `version` if higher; returns it. Each adapter gets a name and id of
-        its own: vLLM keys its prefix cache on the name (0.32: and path), so an adapter reloaded
-        under an old name would reuse KV of the old one. A request keeps the adapter it was
-        admitted with, which stays loaded: `mode` drain waits for the requests in flight, as for
-        full weights; in-flight pauses nothing, they go on with their adapter and version. A
-        ValueError if vLLM refuses the adapter, a TimeoutError if the drain outlasts
-        `drain_timeout`: with nothing changed either way."""
+        """Serve a LoRA adapter (PEFT's adapter_config.json and adapter_model.safetensors) as the
+        next version, or `version` if higher; returns it. A ValueError or TimeoutError changes
+        nothing (docs/internals.md#engineupdate_adapter)."""
         # unique, as vLLM asks of a LoRARequest's id (a random 56-bit one)
         lora_id = uuid.uuid4().int >> 72
         folder = os.path.join(self.lora_dir.name, str(lora_id))
@@ -333,7 +314,7 @@ class Engine:
             shutil.rmtree(folder)
             raise ValueError(f"vLLM refused the adapter: {e}") from None
         self.loras.append(lora)
-        async with self.paused("drain" if mode == "drain" else None, drain_timeout, timeout):
+        async with self.gate_closed("drain" if mode == "drain" else None, drain_timeout, timeout):
             self.lora = lora
             self.version = max(self.version + 1, version)
             await self.remove_old_adapters()
@@ -350,9 +331,11 @@ class Engine:
                 shutil.rmtree(lora.lora_path)
                 self.loras.remove(lora)
 
-    def fail_for_good(self, why):
+    def fail_for_good(self, why) -> RuntimeError:
+        """Mark the engine failed for good (the server then exits); the error for the caller to
+        raise."""
         self.load_error = f"weights possibly mixed by a failed update: {why}"
-        raise RuntimeError(self.load_error)
+        return RuntimeError(self.load_error)
 
     async def wait_for_version(self, version, timeout):
         """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
@@ -393,7 +376,8 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
         model=model,
         **ours | {k: v for k, v in flags.items() if v is not None},
         scheduling_policy="priority",
-        worker_extension_cls="engine.WeightSyncWorker",
+        # a subclass in the tests that make a load fail (tests/failing_worker.py)
+        worker_extension_cls=os.environ.get("ASYNC_GRPO_WORKER", "engine.WeightSyncWorker"),
         # the behaviour policy's logprobs: after temperature, as sampled
         logprobs_mode="processed_logprobs",
         enable_log_requests=False,
@@ -410,50 +394,56 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def completion(c, prompt, k, version, marks) -> Completion:
-    """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), admitted at
-    weights `version`; `marks` None: a LoRA request, of that version throughout."""
-    spans = [[version, 0]] if marks is None else version_spans(c, version, marks)
+def completion(c, prompt, k, spans) -> Completion:
+    """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), with `k` top
+    logprobs per token and its version `spans` (VersionLabels.spans)."""
     logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
     top = top_logprobs(c.logprobs, k)
     sampled = list(c.token_ids)
     return Completion(c.text, sampled, logprobs, c.finish_reason, spans[0][0], top, spans, prompt)
 
 
-def version_spans(c, version, marks):
-    """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first. vLLM
-    0.32 labels the tokens with what track_versions set ("default" before it: our 0). vLLM 0.26 does
-    not, and the engine counted each completion's tokens at each in-flight update (`marks`: {index:
-    [[version, tokens before it]]}), exact for the requests vLLM held when it paused."""
-    labelled = getattr(c, "weight_versions", None)
-    if labelled:
-        return [[0 if s.version == "default" else int(s.version), s.start] for s in labelled]
-    starts = {0: version} | {start: v for v, start in marks.get(c.index, [])}
-    return [[v, start] for start, v in starts.items()]
+class VersionLabels:
+    """The weight version of every sampled token, labelled at each update and read per completion:
+    the one place where vLLM 0.26 and 0.32 differ (docs/internals.md#version-labels)."""
 
+    def __init__(self, llm):
+        self.llm = llm
+        # vLLM 0.26: request id -> {completion index: [[version, tokens before it]]}
+        self.marks = {}
 
-async def track_versions(llm, version, marks):
-    """Once weights `version` are loaded, before generation goes on, label what is sampled from
-    now on: the one place where vLLM 0.26 and 0.32 differ (version_spans reads the labels). vLLM
-    0.32 labels every token it samples with `version`. vLLM 0.26 cannot: we add to `marks`
-    ({request id: {completion index: [[version, tokens before it]]}}) how many tokens each
-    completion paused in flight has (none after a drain), read from vLLM's output processor."""
-    if hasattr(llm, "update_weight_version"):
-        await llm.update_weight_version(str(version))
-        return
-    await outputs_processed(llm)
-    for r in llm.output_processor.request_states.values():
-        spans = marks.setdefault(r.external_req_id, {}).setdefault(r.request_index, [])
-        spans.append([version, r.detokenizer.num_output_tokens()])
+    async def label(self, version):
+        """Once weights `version` are loaded, before generation goes on, label what is sampled
+        from now on."""
+        if hasattr(self.llm, "update_weight_version"):
+            await self.llm.update_weight_version(str(version))
+            return
+        await outputs_processed(self.llm)
+        for r in self.llm.output_processor.request_states.values():
+            request = self.marks.setdefault(r.external_req_id, {})
+            request.setdefault(r.request_index, []).append(
+                [version, r.detokenizer.num_output_tokens()]
+            )
+
+    def pop(self, request_id) -> dict:
+        """A finished (or cancelled) request's marks, forgotten here."""
+        return self.marks.pop(request_id, {})
+
+    def spans(self, c, version, marks) -> list:
+        """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first;
+        `marks` (pop's) None: a LoRA request, of that version throughout."""
+        if marks is None:
+            return [[version, 0]]
+        labelled = getattr(c, "weight_versions", None)
+        if labelled:
+            return [[0 if s.version == "default" else int(s.version), s.start] for s in labelled]
+        starts = {0: version} | {start: v for v, start in marks.get(c.index, [])}
+        return [[v, start] for start, v in starts.items()]
 
 
 async def outputs_processed(llm):
-    """vLLM 0.26: return once AsyncLLM's output handler has processed every output that the engine
-    core sent before now. The core client resolves a utility call (the pause) the moment its
-    answer arrives, while the outputs sent before it may still wait in the client's queue, so the
-    token counts read after a pause may lag. The handler takes that queue in order, one item at a
-    time: once it takes a marker put behind them, they are processed, and a request finished
-    meanwhile has left request_states."""
+    """vLLM 0.26: return once AsyncLLM's output handler has processed every output the engine core
+    sent before now, by a marker put behind them (docs/internals.md#version-labels)."""
     taken = asyncio.get_running_loop().create_future()
     llm.engine_core.outputs_queue.put_nowait(QueueMarker(taken))
     await taken
@@ -494,14 +484,9 @@ def top_logprobs(logprobs, k):
 
 # -- the worker side of weight sync: runs inside each vLLM worker process --------------------------
 class WeightSyncWorker:
-    """Mixed into vLLM's worker class (`worker_extension_cls`). Every method here runs inside
-    vLLM's worker processes, not in the server's: the server calls it through `collective_rpc`
-    (Engine.rpc), so it runs once in every worker, each on its own GPU (or the CPU), with the
-    worker's `self.model_runner` and `self.device` at hand.
-
-    The trainer is rank 0 of the weight group, the workers 1..W: the trainer is the one process
-    that exists before a server starts and after it restarts, so it hosts the group's store, and
-    it is the root of every broadcast (weights only ever flow from trainer to workers)."""
+    """Mixed into vLLM's worker class (`worker_extension_cls`): runs in every vLLM worker process,
+    called through `collective_rpc` (Engine.rpc). The trainer is rank 0 of the weight group, the
+    workers 1..W: weights only ever flow from trainer to workers."""
 
     # "ipc", "nccl" or "gloo" once the trainer set weight sync up
     transport = None
@@ -509,8 +494,6 @@ class WeightSyncWorker:
     group = None
     # the trainer's buffers, opened once (ipc)
     ipc_buffers = []
-    # loads since the worker started
-    loads = 0
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()
@@ -527,7 +510,9 @@ class WeightSyncWorker:
         # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
         if self.group is not None:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
-        self.transport, self.group, self.ipc_buffers = None, None, []
+        self.transport = None
+        self.group = None
+        self.ipc_buffers = []
 
     def receive_weights(self, buckets):
         """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
@@ -540,26 +525,26 @@ class WeightSyncWorker:
             self.close_communicator()
             return {"receive_error": f"{type(e).__name__}: {e}"}
         received_at = time.perf_counter()
-        self.loads += 1
         try:
-            # a test-only hook, set in a server's environment by tests/test_weight_sync.py: the
-            # Nth load of this worker fails after loading half its tensors, as a real load may
-            if self.loads == int(os.environ.get("ASYNC_GRPO_FAIL_LOAD", 0)):
-                load_weights(self.model_runner, received[: len(received) // 2])
-                raise RuntimeError("ASYNC_GRPO_FAIL_LOAD: failed after half the tensors")
-            load_weights(self.model_runner, received)
+            self.load(received)
         except Exception as e:
             return {"load_error": f"{type(e).__name__}: {e}"}
         return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
+
+    def load(self, received):
+        """Load the received [(name, tensor)] into the running model (tests/failing_worker.py's
+        subclass fails here part-way)."""
+        load_weights(self.model_runner, received)
 
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
         if self.transport == "ipc":
             # views straight into the trainer's buffer, on this GPU, kept open for the next update
             self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-            return [
-                w for buf, b in zip(self.ipc_buffers, buckets) for w in unpack(buf, b["params"])
-            ]
+            received = []
+            for buffer, b in zip(self.ipc_buffers, buckets):
+                received += unpack(buffer, b["params"])
+            return received
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device
@@ -659,7 +644,12 @@ def tied_output_layers(model):
 
     layers = [m for m in model.modules() if isinstance(m, vocab.VocabParallelEmbedding)]
     heads = [m for m in layers if isinstance(m, vocab.ParallelLMHead)]
-    return [(h, e) for h in heads for e in layers if e is not h and e.weight is h.weight]
+    tied = []
+    for head in heads:
+        for embedding in layers:
+            if embedding is not head and embedding.weight is head.weight:
+                tied.append((head, embedding))
+    return tied
 
 
 # -- multi-turn tool episodes: generate -> tool call -> generate -> ... ----------------------------

@@ -6,18 +6,16 @@
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
 routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
---enable-lora); /health and /metrics. docs/http.md lists
-every field. Every mistake of the caller is a 4xx with {"error": message}.
+--enable-lora); /health and /metrics; the OpenAI-compatible /v1 routes (openai_face.py).
+docs/http.md lists every field. Every mistake of the caller is a 4xx with {"error": message}.
 """
 
 import argparse
 import asyncio
 import base64
-import contextlib
 import functools
 import hashlib
 import hmac
-import itertools
 import json
 import math
 import os
@@ -39,10 +37,9 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors.torch import load as load_safetensors
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, Episode, from_base64, load_function, model_error
+from client import DTYPES, TRANSPORTS, from_base64, load_function, model_error
 from engine import Engine, RolloutEngine, check_encodable, engine_args, openai_tool
 from local import tiny_model
 
@@ -244,17 +241,16 @@ async def check_room(request, count=1) -> int:
 
 
 def add_request(app, body, work, *args, nbytes=0) -> str:
-    """Start `work(app, *args)` (a coroutine function's) under a new id once weights
-    body["min_version"] are loaded (run_at_version), holding its `nbytes` (check_room). Once it is
-    done, its result waits --result-ttl seconds to be fetched, then it is dropped; with
-    "keep_result" in the body, until it is fetched or aborted (a trainer's queued step), or no
-    /get_future came for --kept-result-ttl s (its trainer died)."""
+    """Start `work(app, *args)` under a new id once weights body["min_version"] are loaded,
+    holding its `nbytes` (check_room); its result expires as docs/internals.md#the-futures-table
+    says."""
     state = app[STATE]
     request_id = uuid.uuid4().hex
     task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work, *args))
     state.tasks[request_id] = (task, args_key(body), nbytes)
     state.held_bytes += nbytes
-    ttl, kept = state.flags.result_ttl, bool(body.get("keep_result"))
+    ttl = state.flags.result_ttl
+    kept = bool(body.get("keep_result"))
     task.add_done_callback(lambda t: t.get_loop().call_later(ttl, expire, app, request_id, kept))
     return request_id
 
@@ -317,49 +313,59 @@ async def run_at_version(app, min_version, work, *args):
     result carries when it was queued, started and finished (the server's time.time()), to measure
     the overlap."""
     queued = time.time()
-    await app[ENGINE].wait_for_version(min_version, app[STATE].flags.result_ttl)
+    await app[ENGINE].wait_for_version(min_version, app[STATE].flags.min_version_timeout)
     started = time.time()
     result = await work(app, *args)
     return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}
 
 
-async def counted_generate(app, prompts, params, priority=0):
-    """engine.generate, counted in /metrics."""
+async def generate_and_count(app, prompts, params, priority=0):
+    """Engine.generate, counted in /metrics."""
     results = await app[ENGINE].generate(prompts, params, priority)
     REQUESTS.inc()
-    COMPLETION_TOKENS.inc(sum(len(c.token_ids) for r in results for c in r))
+    for per_prompt in results:
+        COMPLETION_TOKENS.inc(sum(len(c.token_ids) for c in per_prompt))
     return results
 
 
-async def run_generate(app, body, params):
-    """The completions of a /generate body's prompts, at its priority."""
-    results = await counted_generate(app, body["prompts"], params, body.get("priority", 0))
+async def run_completions(app, prompts, params, priority):
+    """The work of a /generate request: the completions of its prompts."""
+    results = await generate_and_count(app, prompts, params, priority)
     # vars: asdict deep-copies, 20x slower
     return {"completions": [[vars(c) for c in r] for r in results]}
 
 
-async def generate(request):
-    app, body = request.app, await read_json(request)
+async def generate_route(request):
+    """/generate: one request for all the prompts, or with split_prompts one per prompt."""
+    app = request.app
+    body = await read_json(request)
     prompts, params = parse_request(app, body, extra=("split_prompts",))
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     split = checked_field(body, "split_prompts", bool, False)
     bodies = [{**body, "prompts": [p]} for p in prompts] if split else [body]
     nbytes = await check_room(request, len(bodies))
-    ids = [add_request(app, b, run_generate, b, params, nbytes=nbytes) for b in bodies]
+    priority = body.get("priority", 0)
+    ids = []
+    for one in bodies:
+        ids.append(
+            add_request(app, one, run_completions, one["prompts"], params, priority, nbytes=nbytes)
+        )
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
 async def run_rollout(app, prompts, params, *options):
     episodes = await app[ROLLOUT].rollout(prompts, params, *options)
     REQUESTS.inc()
-    COMPLETION_TOKENS.inc(sum(sum(e.loss_mask) for per_prompt in episodes for e in per_prompt))
+    for per_prompt in episodes:
+        COMPLETION_TOKENS.inc(sum(sum(e.loss_mask) for e in per_prompt))
     return {"episodes": [[vars(e) for e in per_prompt] for per_prompt in episodes]}
 
 
-async def rollout(request):
-    """Multi-turn tool episodes (RolloutEngine.rollout). A null option takes its default: every
-    registered tool, RolloutEngine's call tags."""
-    app, body = request.app, await read_json(request)
+async def rollout_route(request):
+    """/rollout: multi-turn tool episodes (RolloutEngine.rollout). A null option takes its
+    default: every registered tool, RolloutEngine's call tags."""
+    app = request.app
+    body = await read_json(request)
     prompts, params = parse_request(app, body, extra=ROLLOUT_FIELDS)
     rollouts = app[ROLLOUT]
     given = {k: v for k, v in body.items() if v is not None}
@@ -399,7 +405,12 @@ def requested_tasks(app, body) -> dict:
         ids = [checked_field(body, "request_id", str)]
     elif "prompts" in body:
         key = args_key(body)
-        ids = [i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting][:1]
+        ids = []
+        # the oldest with these arguments that no other caller is waiting for
+        for request_id, (_, k, _) in state.tasks.items():
+            if k == key and request_id not in state.waiting:
+                ids = [request_id]
+                break
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}
@@ -411,13 +422,11 @@ def requested_tasks(app, body) -> dict:
 
 
 async def get_future(request):
-    """The result of `request_id`, or of the oldest request with the identical arguments, or
-    {"results": [...]} of all of `request_ids` that are done once one is (the trainer takes groups
-    in the order they finish); waiting at most `timeout` s. A failed request is answered alone
-    (the others that are done stay to be fetched): 404 if it was aborted (perhaps by /abort while
-    we waited), 422 if the engine refused it (e.g. a prompt longer than --max-model-len), 503 with
-    the cause if the engine died."""
-    body, state = await read_json(request), request.app[STATE]
+    """The result of one request (by id or by identical arguments), or of every one of
+    `request_ids` done once one is; waiting at most `timeout` s. A failed request answers alone:
+    404 aborted, 422 refused by the engine, 503 the engine died (docs/http.md)."""
+    body = await read_json(request)
+    state = request.app[STATE]
     timeout = checked_field(body, "timeout", float, 60, 0, 3600, " seconds")
     tasks = requested_tasks(request.app, body)
     # nothing awaited between the check in requested_tasks and this
@@ -460,7 +469,8 @@ async def abort(request):
 async def init_communicator(request):
     """The trainer chooses the transport; the workers follow. ipc: {transport, gpu (its UUID)};
     nccl/gloo: {transport, host, world_size}, the workers join the group the trainer hosts."""
-    body, state = await read_json(request), request.app[STATE]
+    body = await read_json(request)
+    state = request.app[STATE]
     transport = body.get("transport", "gloo")
     if transport not in TRANSPORTS:
         raise ApiError(f"'transport' must be one of {list(TRANSPORTS)}")
@@ -579,16 +589,9 @@ def ipc_handle_fits(handle, size) -> bool:
 
 
 async def update_weights(request):
-    """One weight update in one call (body: buckets, and a `mode`: "drain", the default, or
-    "in-flight", see Engine.update_weights), answered as two JSON lines: {"receiving": true} once
-    the workers receive (only then does the trainer send: a long drain cannot time its sends out),
-    then {"version", "receive_s", "load_s"} once loaded, or {"error", "status"}. An update is no
-    entry of the futures table: once its workers receive, nothing cancels it (no /abort, no full
-    table, no dropped connection), and it ends as Engine.load says: the version bumped; the old
-    weights and version kept (status 502: the transfer failed; set up weight sync again); or the
-    server exiting non-zero (500: a failed load may have mixed the weights). Before the first line:
-    400 for a wrong announcement, 409 without weight sync, 503 for a drain longer than
-    --drain-timeout (nothing was sent: try again)."""
+    """One weight update in one call, answered as two JSON lines: {"receiving": true} once the
+    workers receive (only then does the trainer send), then the outcome (Engine.load). Nothing
+    cancels it once the workers receive; its statuses: docs/http.md's /update_weights."""
     body = await read_json(request)
     engine, state = request.app[ENGINE], request.app[STATE]
     buckets = check_buckets(body, state)
@@ -651,13 +654,10 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
 
 
 async def update_adapter(request):
-    """A LoRA adapter as the next version (--enable-lora). Body: `adapter_config` (the JSON of
-    its adapter_config.json), `adapter_model` (base64 of its adapter_model.safetensors), `mode` and
-    `version` as for /update_weights (Engine.update_adapter says what the modes mean here); the
-    answer {"version"} once it serves. 400 for an adapter the model cannot
-    take (check_adapter) or vLLM refuses (a server without --enable-lora too), 503 for a drain
-    longer than --drain-timeout: then nothing changed."""
-    body, state = await read_json(request), request.app[STATE]
+    """A LoRA adapter as the next version (--enable-lora): {"version"} once it serves; 400 for an
+    adapter the model cannot take, 503 for a drain over --drain-timeout, nothing changed then."""
+    body = await read_json(request)
+    state = request.app[STATE]
     config = checked_field(body, "adapter_config", dict)
     mode, version = update_mode(body)
     refused = f"adapter refused, version {request.app[ENGINE].version} kept"
@@ -696,315 +696,6 @@ async def close_communicator(request):
     await request.app[ENGINE].rpc("close_communicator")
     request.app[STATE].transport = None
     return web.json_response({"status": "closed"})
-
-
-# -- the OpenAI-compatible face: /v1/models, /v1/completions, /v1/chat/completions,
-# /v1/sessions/<id>. --- Every answer carries its tokens (prompt_token_ids; per choice token_ids)
-# and weight_version, and calls sent with an X-Session-ID header are recorded, so that an agent
-# written against the OpenAI client can be trained on exactly what it sampled.
-# vLLM's OpenAI server takes its sampling fields too (top_k, min_p, ignore_eos, ...); `logprobs`
-# means something else in OpenAI's shape
-OPENAI_SAMPLING = set(SAMPLING_FIELDS) - {"logprobs"}
-# the other fields: what to complete and how to answer, logprobs in OpenAI's shape, functions
-OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "stream", "user"}
-OPENAI_OTHER |= {"logprobs", "top_logprobs", "tools", "tool_choice"}
-
-
-async def models(request):
-    name = request.app[STATE].flags.served_model_name
-    model = {"id": name, "object": "model", "owned_by": "async-grpo"}
-    return web.json_response({"object": "list", "data": [model]})
-
-
-def tool_request(state, body) -> ChatCompletionRequest | None:
-    """A chat body with `tools` as vLLM's ChatCompletionRequest, adjusted by the --tool-call-parser
-    as vLLM's server adjusts it (e.g. special tokens kept in the text); or a 400. The parser reads
-    the model's tool calls against it. None without tools or with tool_choice "none"."""
-    if "tools" not in body or body.get("tool_choice") == "none":
-        return None
-    if not state.tool_parser or body.get("tool_choice", "auto") != "auto":
-        raise ApiError(
-            "'tools' need a server started with --tool-call-parser, and 'tool_choice' "
-            "'auto' (the default) or 'none': no tool call is forced"
-        )
-    try:
-        request = ChatCompletionRequest.model_validate(body)
-    except Exception as e:
-        raise ApiError(f"invalid chat request: {e}") from None
-    return state.tool_parser(request.tools).adjust_request(request)
-
-
-def chat_prompt(engine, body) -> list[int]:
-    """The token ids of the body's `messages` and `tools` under the model's chat template, or a
-    400. A tool call's `arguments`, a JSON string in OpenAI's shape, is rendered as the object it
-    holds, as vLLM's server renders it."""
-    messages = checked_field(body, "messages", [dict])
-    if not messages or not all(
-        isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or "tool_calls" in m)
-        for m in messages
-    ):
-        raise ApiError("'messages' must be a non-empty list of {role, content (a string)}")
-    try:
-        for m in messages:
-            for call in m.get("tool_calls") or []:
-                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-        text = engine.tokenizer.apply_chat_template(
-            messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
-        )
-    # no template, one that refuses these roles, or tool calls that are not OpenAI's
-    except Exception as e:
-        raise ApiError(f"the model's chat template cannot render these messages: {e}") from None
-    return engine.tokenizer.encode(text, add_special_tokens=False)
-
-
-def openai_request(engine, state, body, chat) -> tuple:
-    """The prompt's token ids, the SamplingParams, whether to answer with logprobs and the
-    tool_request (or None), of a /v1/completions (`chat` False) or /v1/chat/completions body; or a
-    4xx."""
-    unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
-    if unknown:
-        raise ApiError(f"unsupported fields {unknown}")
-    request = tool_request(state, body) if chat else None
-    if body.get("model") != state.flags.served_model_name:
-        raise ApiError(f"model {body.get('model')!r} does not exist (see /v1/models)", 404)
-    if chat:
-        prompt = chat_prompt(engine, body)
-        logprobs = checked_field(body, "logprobs", bool, False)
-        top = checked_field(body, "top_logprobs", int, 0, 0, 20)
-        # as long as the model allows
-        max_tokens = max(1, state.flags.max_model_len - len(prompt))
-    else:
-        # one prompt: a string or token ids
-        [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)
-        prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        # completions: logprobs is the number of alternatives
-        top = checked_field(body, "logprobs", int, 0, 0, 20)
-        logprobs = top > 0
-        max_tokens = 16
-    fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
-    fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
-    if request:
-        fields["skip_special_tokens"] = request.skip_special_tokens
-    params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
-    return prompt, params, logprobs, request
-
-
-async def openai_completion(request):
-    """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes. A null
-    field is one not set, as OpenAI's clients may send it."""
-    check_serving(request.app)
-    state, engine = request.app[STATE], request.app[ENGINE]
-    body = {k: v for k, v in (await read_json(request)).items() if v is not None}
-    chat = request.path.endswith("chat/completions")
-    prompt, params, logprobs, tools = openai_request(engine, state, body, chat)
-    stream = checked_field(body, "stream", bool, False)
-    session_id = request.headers.get("X-Session-ID")
-    completions = []
-    nbytes = await check_room(request)
-    # room for every choice, each recorded with its prompt
-    reserved = params.n * (len(prompt) + params.max_tokens)
-    recording = open_session(state, session_id, reserved) if session_id else None
-    try:
-        with held_call(state, nbytes):
-            [completions] = await counted_generate(request.app, [prompt], params)
-    # the engine refused it (e.g. a prompt longer than --max-model-len)
-    except Exception as e:
-        status = 503 if engine.error else 400
-        raise ApiError(f"the engine refused the request: {engine.error or e}", status) from None
-    finally:
-        # a session's calls are recorded in the order they finish; a failed call frees its room
-        if recording:
-            record(recording, prompt, completions, reserved)
-    answer = openai_answer(request.app, chat, prompt, completions, logprobs, tools)
-    return openai_events(answer, chat) if stream else web.json_response(answer)
-
-
-@contextlib.contextmanager
-def held_call(state, nbytes):
-    """A /v1 call in progress, of `nbytes`: counted with the futures table (check_room)."""
-    state.openai_calls += 1
-    state.held_bytes += nbytes
-    try:
-        yield
-    finally:
-        state.openai_calls -= 1
-        state.held_bytes -= nbytes
-
-
-def openai_events(answer, chat):
-    """`answer` as server-sent events. The engine hands over finished requests: one event per
-    choice, all at once."""
-    for choice in answer["choices"]:
-        if chat:
-            choice["delta"] = choice.pop("message")
-        # OpenAI's delta format: each tool call with its place in the message's list
-        for i, call in enumerate(choice.get("delta", {}).get("tool_calls", [])):
-            call["index"] = i
-    object_type = "chat.completion.chunk" if chat else "text_completion"
-    events = "".join(
-        f"data: {json.dumps({**answer, 'object': object_type, 'choices': [c]})}\n\n"
-        for c in answer["choices"]
-    )
-    return web.Response(text=events + "data: [DONE]\n\n", content_type="text/event-stream")
-
-
-def openai_answer(app, chat, prompt, completions, logprobs, tools):
-    """OpenAI's answer, plus prompt_token_ids and, per choice, token_ids and weight_version; with
-    `tools` (a tool_request), the tool calls that the --tool-call-parser finds in each choice."""
-    choices = []
-    for i, c in enumerate(completions):
-        text = {"message": chat_message(app[STATE], c, tools)} if chat else {"text": c.text}
-        choice = {
-            "index": i,
-            **text,
-            "finish_reason": c.finish_reason,
-            "token_ids": c.token_ids,
-            "weight_version": c.version,
-            "logprobs": openai_logprobs(app[ENGINE], c, chat) if logprobs else None,
-        }
-        # as vLLM's server answers a turn whose tool calls it parsed
-        if "tool_calls" in text.get("message", {}):
-            choice["finish_reason"] = "tool_calls"
-        choices.append(choice)
-    completion_tokens = sum(len(c.token_ids) for c in completions)
-    return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": app[STATE].flags.served_model_name,
-        "choices": choices,
-        "prompt_token_ids": prompt,
-        "weight_version": completions[0].version,
-        "usage": {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt) + completion_tokens,
-        },
-    }
-
-
-def chat_message(state, completion, tools) -> dict:
-    """A chat choice's message: the model's text, or, where the --tool-call-parser (vLLM's own)
-    finds tool calls in it, those as `tool_calls` and the text outside them as `content`."""
-    message = {"role": "assistant", "content": completion.text}
-    if tools is not None:
-        found = state.tool_parser(tools.tools).extract_tool_calls(completion.text, tools)
-        if found.tools_called:
-            message["content"] = found.content
-            message["tool_calls"] = [call.model_dump() for call in found.tool_calls]
-    return message
-
-
-def openai_logprobs(engine, completion, chat) -> dict:
-    """A choice's `logprobs` in OpenAI's shape: chat's per-token list, or completions' columns."""
-    tokens = [engine.tokenizer.decode([t]) for t in completion.token_ids]
-    alternatives = completion.top_logprobs or [[] for _ in tokens]
-    if chat:
-        content = zip(tokens, completion.logprobs, alternatives)
-        return {
-            "content": [{"token": t, "logprob": lp, "top_logprobs": alt} for t, lp, alt in content]
-        }
-    return {
-        "tokens": tokens,
-        "token_logprobs": completion.logprobs,
-        "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1],
-        "top_logprobs": [{a["token"]: a["logprob"] for a in alt} for alt in alternatives],
-    }
-
-
-def open_session(state, session_id, reserve):
-    """The X-Session-ID session (made if new) with room reserved for `reserve` more tokens, or a
-    429: at most --max-pending sessions, --max-session-tokens in one, --max-total-session-tokens in
-    all. Nothing is awaited between the checks and the reservation, so concurrent calls cannot
-    pass a bound together."""
-    flags = state.flags
-    now = time.monotonic()
-    expire_sessions(state)
-    session = state.sessions.get(session_id, {"calls": [], "tokens": 0, "started": now})
-    total = sum(s["tokens"] for s in state.sessions.values())
-    if (
-        (session_id not in state.sessions and len(state.sessions) >= flags.max_pending)
-        or session["tokens"] + reserve > flags.max_session_tokens
-        or total + reserve > flags.max_total_session_tokens
-    ):
-        raise ApiError(
-            f"{len(state.sessions)} sessions (--max-pending) hold {total} tokens "
-            f"(--max-total-session-tokens), {session_id!r} {session['tokens']} "
-            f"(--max-session-tokens); this call may add {reserve}: delete some sessions",
-            429,
-        )
-    session["tokens"] += reserve
-    session["used"] = now
-    state.sessions[session_id] = session
-    return session
-
-
-def expire_sessions(state):
-    """Drop the sessions unused for --result-ttl s, or begun --max-session-age s ago."""
-    flags = state.flags
-    for session_id, s in list(state.sessions.items()):
-        expires = min(s["used"] + flags.result_ttl, s["started"] + flags.max_session_age)
-        if expires < time.monotonic():
-            del state.sessions[session_id]
-
-
-def record(session, prompt, completions, reserved):
-    """Append a call's choices to its session, in place of the `reserved` tokens."""
-    session["calls"] += [
-        {
-            "prompt_token_ids": prompt,
-            "completion_token_ids": c.token_ids,
-            "logprobs": c.logprobs,
-            "weight_version": c.version,
-            "versions": c.versions,
-            "text": c.text,
-            "finish_reason": c.finish_reason,
-        }
-        for c in completions
-    ]
-    session["tokens"] += sum(len(prompt) + len(c.token_ids) for c in completions) - reserved
-    session["used"] = time.monotonic()
-
-
-def merge(calls) -> tuple[dict | None, str | None]:
-    """One episode from a session's calls, as JSON in the shape of a /rollout one, if each call's
-    prompt continues the previous call's prompt and completion token for token (else None and
-    why): the tokens between are prompt (a tool's output, the chat template's), the completions are
-    sampled."""
-    if not calls:
-        return None, "no call of this session has finished yet"
-    turns = [
-        {"text": c["text"], "version": c["weight_version"], "finish_reason": c["finish_reason"]}
-        for c in calls
-    ]
-    episode = Episode([], [], [], turns, [], turns[-1]["finish_reason"], versions=[])
-    for i, call in enumerate(calls):
-        prompt = call["prompt_token_ids"]
-        if prompt[: len(episode.token_ids)] != episode.token_ids:
-            return None, (
-                f"call {i}'s prompt does not continue the tokens before it "
-                "(re-tokenised text, or a call with n > 1): train on 'calls' instead"
-            )
-        episode.append(prompt[len(episode.token_ids) :], logprobs=None)
-        # each call's version spans, counted from its completion's first token
-        start = len(episode.token_ids)
-        episode.versions += [[v, start + first] for v, first in call["versions"]]
-        episode.append(call["completion_token_ids"], call["logprobs"])
-    return vars(episode), None
-
-
-async def session(request):
-    state = request.app[STATE]
-    session_id = request.match_info["session_id"]
-    expire_sessions(state)
-    if session_id not in state.sessions:
-        raise ApiError(f"no session {session_id!r} (never used, deleted or expired)", 404)
-    if request.method == "DELETE":
-        state.sessions.pop(session_id)
-        return web.json_response({"deleted": session_id})
-    calls = state.sessions[session_id]["calls"]
-    episode, reason = merge(calls)
-    return web.json_response({"calls": calls, "episode": episode, "reason": reason})
 
 
 # -- the app ---------------------------------------------------------------------------------------
@@ -1165,14 +856,17 @@ def make_app(args, flags) -> web.Application:
     app.on_shutdown.append(stop_requests)
     app.cleanup_ctx.append(mcp_ctx)
     app.cleanup_ctx.append(engine_ctx)
-    app.add_routes(ROUTES)
+    # the /v1 routes (openai_face.py): imported here, as that module imports this one
+    import openai_face
+
+    app.add_routes(ROUTES + openai_face.ROUTES)
     return app
 
 
 ROUTES = [
     web.get("/health", health),
-    web.post("/generate", generate),
-    web.post("/rollout", rollout),
+    web.post("/generate", generate_route),
+    web.post("/rollout", rollout_route),
     web.get("/tools", tools),
     web.post("/get_future", get_future),
     web.post("/abort", abort),
@@ -1181,11 +875,6 @@ ROUTES = [
     web.post("/close_communicator", close_communicator),
     web.post("/update_adapter", update_adapter),
     web.get("/metrics", make_aiohttp_handler()),
-    web.get("/v1/models", models),
-    web.post("/v1/completions", openai_completion),
-    web.post("/v1/chat/completions", openai_completion),
-    web.get("/v1/sessions/{session_id}", session),
-    web.delete("/v1/sessions/{session_id}", session),
 ]
 
 
@@ -1239,13 +928,16 @@ def add_limit_flags(g):
         default=3600.0,
         help="s a keep_result waits, nobody polling",
     )
+    # a request with a min_version that no push brings fails after it (a 422 from /get_future)
+    g.add_argument("--min-version-timeout", type=float, default=600.0, help="seconds it may wait")
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
     # sessions: the OpenAI routes record the calls sent with an X-Session-ID header (each call's
     # prompt and completions: its tokens); beyond these bounds a call is a 429. A session ends
-    # when deleted, --result-ttl s after its last call, or --max-session-age s after its first.
+    # when deleted, --session-ttl s after its last call, or --max-session-age s after its first.
     g.add_argument("--max-session-tokens", type=int, default=10**6, help="most tokens per session")
     g.add_argument("--max-total-session-tokens", type=int, default=10**7, help="in all sessions")
     g.add_argument("--max-session-age", type=float, default=3600.0, help="most seconds per session")
+    g.add_argument("--session-ttl", type=float, default=600.0, help="seconds a session stays idle")
 
 
 def add_sync_flags(g):
@@ -1332,4 +1024,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # one copy of this module, run as a script or imported by openai_face.py as `server`
+    sys.modules["server"] = sys.modules["__main__"]
     main()

@@ -195,7 +195,7 @@ def test_fuzzed_openai_bodies_get_4xx_in_openai_shape_never_a_5xx(client):
         ({"prompts": ["a"], "seed": 2**70}, "seed"),
         # once accepted (202), then an empty 422: vLLM seeds choice i with seed + i
         ({"prompts": ["a"], "n": 2, "seed": 2**64 - 1}, "seed"),
-        # once held for --result-ttl, for weights that never come
+        # once held for --min-version-timeout, for weights that never come
         ({"prompts": ["a"], "min_version": 10**9}, "min_version"),
         ({"prompts": ["a"], "tools": [{"x": 1}]}, "tools"),
     ],
@@ -425,6 +425,10 @@ def strict(model_path, tmp_path_factory):
         "2",
         "--kept-result-ttl",
         "2",
+        "--session-ttl",
+        "2",
+        "--min-version-timeout",
+        "60",
         "--max-pending",
         "4",
         "--max-pending-mb",
@@ -510,7 +514,8 @@ def test_beyond_max_pending_is_a_429(strict):
 
 
 def held(client, **body):
-    """A /generate request held until the next push (none comes: it fails after --result-ttl)."""
+    """A /generate request held until the next push (none comes: it fails after
+    --min-version-timeout, 60 s here: the tests abort it first)."""
     version = client.health()["version"]
     return post(client, "/generate", json={"prompts": ["a"], "min_version": version + 1, **body})
 
@@ -552,6 +557,17 @@ def test_kept_results_expire_once_nobody_fetches(strict):
     assert gone.status_code == 404, gone.text
 
 
+def test_a_request_waits_for_its_version_past_the_result_ttl(strict):
+    """--min-version-timeout (60 here) bounds the wait for a version, not --result-ttl (2): once
+    one flag bounded both, and the request failed after 2 s."""
+    _, client, _ = strict
+    request_id = held(client).json()["request_id"]
+    time.sleep(3)
+    waiting = post(client, "/get_future", json={"request_id": request_id, "timeout": 0})
+    assert waiting.status_code == 408, waiting.text
+    post(client, "/abort", json={"request_id": request_id})
+
+
 def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     _, client, _ = strict
     model = served_name(client)
@@ -569,7 +585,7 @@ def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     full = call("s4")  # --max-pending 4: no fifth session, and nothing is generated for it
     assert full.status_code == 429 and "sessions" in full.json()["error"]["message"]
     assert call("s0").status_code == 200  # an open session goes on
-    time.sleep(2.5)  # --result-ttl 2: sessions unused for 2 s expire
+    time.sleep(2.5)  # --session-ttl 2: sessions unused for 2 s expire
     assert call("s4").status_code == 200
 
 
@@ -589,7 +605,7 @@ def session_call(client, session_id, prompt="a", max_tokens=1):
 
 @pytest.fixture
 def fresh_sessions(strict):
-    """The strict server with no session left open by an earlier test (--result-ttl 2)."""
+    """The strict server with no session left open by an earlier test (--session-ttl 2)."""
     time.sleep(2.5)
     return strict[1]
 

@@ -6,7 +6,7 @@ About 1,000 concurrent greedy requests with n = 8 are generating when perturbed 
 in flight. Each sampled token is then checked with transformers: a token labelled with the new
 version is the new weights' greedy choice after its prefix, an older one the old weights'. vLLM
 0.26, the GPU build, labels no tokens itself: the engine counts each paused request's tokens at
-the update (engine.track_versions), and this is the check of that count.
+the update (engine.VersionLabels.label), and this is the check of that count.
 """
 
 import pytest

@@ -151,7 +151,7 @@ def test_a_server_dropped_after_a_failed_push_costs_a_resubmission_not_the_run(
     """On-policy (K = 0) the next step waits on both servers for the version of the push that
     fails on one: the Router aborts what that one holds, the trainer hears so, reconnects (the
     server is back in) and submits the step again. A timeout of 30 s: before, the trainer waited
-    for the version that never came, up to the server's --result-ttl."""
+    for the version that never came, up to the server's --min-version-timeout."""
     urls = [f"http://127.0.0.1:{servers[n][1]['port']}" for n in ("plain", "data-parallel")]
     router = Router(urls, timeout=30)
     BREAK["client"] = Client(urls[0])

@@ -325,9 +325,10 @@ def test_an_update_whose_caller_goes_away_after_sending_still_lands(server, hf):
 
 
 def failing_server(load, tmp_path, monkeypatch):
-    """A server whose workers' `load`-th weight load fails after half its tensors. A test-only hook
-    (engine.WeightSyncWorker.receive_weights): what makes a real load fail part-way (a CUDA error,
-    a model family loaded wrongly) cannot be produced at will here."""
+    """A server whose workers' `load`-th weight load fails after half its tensors: a worker of the
+    tests' own (tests/failing_worker.py), as what makes a real load fail part-way (a CUDA error, a
+    model family loaded wrongly) cannot be produced at will here."""
+    monkeypatch.setenv("ASYNC_GRPO_WORKER", "tests.failing_worker.FailingLoadWorker")
     monkeypatch.setenv("ASYNC_GRPO_FAIL_LOAD", str(load))
     return launch_server(*GPU_FLAGS, log_path=tmp_path / "server.log")
 
