@@ -270,9 +270,6 @@ def train(cfg: Config, client: Client, data=None):
             show_progress(bar, row)
         if cfg.eval_every:
             run_log.log_eval(cfg.steps, final_eval(client, held_out, cfg))
-    # frozen objects are never freed, not even at exit, where libtriton (which transformers
-    # imports) reports the ones it made as leaks (29 lines of nanobind's)
-    gc.unfreeze()
     save_checkpoint(cfg, policy, tok, cfg.steps, rng, rollouts)
     finish_run(cfg, rollouts.client, history)
     return history
@@ -884,6 +881,9 @@ def show_progress(bar, row):
 
 def finish_run(cfg, client, history):
     """After the last step: close weight sync, and print how reward and accuracy moved."""
+    # train()'s frozen objects are never freed, not even at exit, where libtriton (which
+    # transformers imports) reports the ones it made as leaks (29 lines of nanobind's)
+    gc.unfreeze()
     client.close_communicator()
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
