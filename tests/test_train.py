@@ -588,6 +588,14 @@ def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task
 
 
 # -- watching a run: metrics, plot, TensorBoard, progress; evaluation's samples --------------------
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C raises KeyboardInterrupt here, whatever a test before it in this process left."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 INTERRUPTING = '''
 import os, signal
 
@@ -622,7 +630,14 @@ def reward_module(tmp_path, monkeypatch):
 
 
 def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
-    server, model_path, tmp_path, restore_weights, reward_module, capsys, monkeypatch
+    server,
+    model_path,
+    tmp_path,
+    restore_weights,
+    reward_module,
+    capsys,
+    monkeypatch,
+    default_sigint,
 ):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -859,7 +874,7 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
 
 
 def test_a_run_stopped_by_ctrl_c_leaves_a_checkpoint_of_its_last_completed_step(
-    server, model_path, tmp_path, restore_weights
+    server, model_path, tmp_path, restore_weights, default_sigint
 ):
     """Ctrl-C (SIGINT to this process) once two steps are logged: the run saves its checkpoint and
     plot, and resumes from there."""
