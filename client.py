@@ -574,8 +574,11 @@ class Client(AbortsOnError):
         # a set in the config (target_modules) is a list in JSON
         config = model.peft_config[model.active_adapter].to_dict()
         config = json.loads(json.dumps(config, default=sorted))
-        # safetensors' save copies GPU tensors to the CPU itself
-        tensors = to_base64(save(get_peft_model_state_dict(model)))
+        # in the server's dtype (an fp32 adapter to a bf16 server: half the bytes, and what it
+        # would cast to anyway); safetensors' save copies GPU tensors to the CPU itself
+        self.dtype = self.dtype or getattr(torch, self.health()["dtype"])
+        state = {k: t.detach().to(self.dtype) for k, t in get_peft_model_state_dict(model).items()}
+        tensors = to_base64(save(state))
         body = {"adapter_config": config, "adapter_model": tensors}
         body |= {"mode": mode, "version": version}
         self.last_update = self._request("POST", "/update_adapter", body)

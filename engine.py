@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -745,7 +746,9 @@ def takes_one_string(tool) -> bool:
     """Whether a tool takes the text after its name as it is (one str parameter: calc, an MCP
     tool's JSON), not keyword arguments from a JSON object."""
     parameters = list(inspect.signature(tool, eval_str=True).parameters.values())
-    return len(parameters) == 1 and parameters[0].annotation in (str, inspect.Parameter.empty)
+    if len(parameters) != 1 or parameters[0].kind == inspect.Parameter.VAR_KEYWORD:
+        return False
+    return parameters[0].annotation in (str, inspect.Parameter.empty)
 
 
 # plain tools running at once, at most (the others wait for a slot, within their timeout)
@@ -757,11 +760,9 @@ class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
     with `call_end` after a `call_start` of its own text (the first turn's text includes the prompt,
     which may open a call) is a tool call: the text since that `call_start` is "NAME ARGUMENT"; the
-    tool's output, wrapped in `result_format`, is tokenised once and appended. A call in the last
-    turn (`max_turns`) is not made: the model would never read its answer. Tools are Python
-    functions (or coroutine functions) of one string: the built-in `calc`, and the server's --tool
-    flags. A tool that raises, times out or does not exist answers with an error text; the episode
-    goes on."""
+    tool's output, wrapped in `result_format`, is tokenised once and appended (docs/http.md). A
+    call in the last turn (`max_turns`) is not made: the model would never read its answer. A tool
+    that raises, times out or does not exist answers with an error text; the episode goes on."""
 
     engine: Engine
     # NAME -> function, besides the built-in `calc`
@@ -773,6 +774,9 @@ class RolloutEngine:
     result_format: str = "<result>{}</result>"
     # seconds a tool call may take
     tool_timeout: float = 10.0
+    # the --tool-call-parser's reader of a call between the default tags, in the family's format:
+    # its text, tags included -> (name, JSON arguments) or None. Unset: "NAME ARGUMENT"
+    read_call: Callable | None = None
 
     def __post_init__(self):
         self.tools = {"calc": calculator, **(self.tools or {})}
@@ -784,14 +788,27 @@ class RolloutEngine:
     def tool_names(self):
         return sorted(self.tools)
 
-    async def call_tool(self, name, argument, allowed=None) -> str:
+    def parse_call(self, call, call_start, call_end) -> tuple[str, str, bool]:
+        """A call's text between its tags: (name, argument, whether the argument is a JSON object
+        of keyword arguments, as the family's format always writes it)."""
+        if self.read_call and (call_start, call_end) == (self.call_start, self.call_end):
+            found = self.read_call(call_start + call + call_end)
+            if found is None:
+                return "", call, True
+            return *found, True
+        name, _, argument = call.strip().partition(" ")
+        return name, argument, False
+
+    async def call_tool(self, name, argument, allowed=None, keywords=False) -> str:
+        if not name:
+            return f"error: no tool call could be read in {argument!r}"
         if allowed is not None and name not in allowed:
             return f"error: tool '{name}' is not available"
         if name not in self.tools:
             return f"error: unknown tool '{name}'"
         try:
             async with asyncio.timeout(self.tool_timeout):
-                return str(await self.run_tool(self.tools[name], argument))
+                return str(await self.run_tool(self.tools[name], argument, keywords))
         except TimeoutError:
             return f"error: tool '{name}' timed out after {self.tool_timeout} s"
         # a tool's failure is the episode's business, whatever it raises (SystemExit, a
@@ -801,10 +818,10 @@ class RolloutEngine:
                 raise
             return f"error: {type(e).__name__}: {e}"
 
-    async def run_tool(self, tool, argument):
+    async def run_tool(self, tool, argument, keywords=False):
         """An async tool (I/O: an HTTP API, a sandbox) is awaited; a plain one runs in a thread
         of its own, on one of TOOL_THREADS slots, which it gives back at its timeout."""
-        if takes_one_string(tool):
+        if takes_one_string(tool) and not keywords:
             call = functools.partial(tool, argument)
         else:
             # keyword arguments, from a JSON object: NAME {"a": 1, "b": 2}
@@ -853,9 +870,9 @@ class RolloutEngine:
                     break
                 if turn == max_turns - 1:
                     break
-                call = text[: -len(call_end)].rpartition(call_start)[2].strip()
-                name, _, argument = call.partition(" ")
-                result = await self.call_tool(name, argument, tools)
+                call = text[: -len(call_end)].rpartition(call_start)[2]
+                name, argument, keywords = self.parse_call(call, call_start, call_end)
+                result = await self.call_tool(name, argument, tools, keywords)
                 ep.tool_calls.append({"name": name, "argument": argument, "result": result})
                 # the next turn's text starts after the tool's output
                 text = ""
@@ -869,11 +886,14 @@ class RolloutEngine:
         """Append a tool's `result`, wrapped in `result_format` and tokenised once, cut to the
         `budget` of tokens the episode has left and to what the context has: where it is cut, the
         episode's finish reason ("budget" or "length")."""
-        output = self.result_format.format(result)
-        output = self.engine.tokenizer.encode(output, add_special_tokens=False)
         # the next turn's prompt must leave room for a token: vLLM refuses it otherwise
         context = self.engine.llm.model_config.max_model_len - 1 - len(ep.token_ids)
-        ep.append(output[: max(0, min(budget, context))], None)
+        # a huge answer is cut in characters before it is tokenised (a token is rarely longer
+        # than 16 of them), then in tokens
+        room = max(0, min(budget, context))
+        output = self.result_format.format(result[: 16 * (room + 1)])
+        output = self.engine.tokenizer.encode(output, add_special_tokens=False)
+        ep.append(output[:room], None)
         if context < budget and len(output) > context:
             return "length"
         return "budget" if len(output) >= budget else None

@@ -37,6 +37,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors.torch import load as load_safetensors
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
 from client import DTYPES, TRANSPORTS, from_base64, load_function, model_error
@@ -748,10 +749,33 @@ async def stop_requests(app):
         task.cancel()
 
 
+def read_family_calls(rollouts, tool_parser):
+    """/rollout reads tool calls in the model family's format, as /v1 does: where the
+    --tool-call-parser marks a call with tags of its own (hermes: <tool_call>...</tool_call>),
+    they become /rollout's default `call_start` and `call_end`, and the parser reads the call."""
+    tools = ChatCompletionRequest(messages=[], tools=list(rollouts.schemas.values())).tools
+    probe = tool_parser(tools)
+    start = getattr(probe, "tool_call_start_token", None)
+    end = getattr(probe, "tool_call_end_token", None)
+    if not (isinstance(start, str) and isinstance(end, str) and start and end):
+        return
+
+    def read_call(text):
+        request = ChatCompletionRequest(messages=[], tools=tools)
+        found = tool_parser(tools).extract_tool_calls(text, request)
+        if not found.tools_called:
+            return None
+        return found.tool_calls[0].function.name, found.tool_calls[0].function.arguments
+
+    rollouts.call_start = start
+    rollouts.call_end = end
+    rollouts.read_call = read_call
+
+
 # -- MCP servers as tools (--mcp) -----------------------------------------------------------------
 async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event, taken=()):
     """Connect to every --mcp server, (NAME, command line or URL), and list its tools: `ready` gets
-    ({tool name: async function of a JSON argument string}, {tool name: OpenAI schema}), or an
+    ({tool name: async function of keyword arguments}, {tool name: OpenAI schema}), or an
     error for a name in `taken` (--tool's, calc) or listed twice; then hold the connections until
     `stop` is set. One task enters and leaves them all, as the mcp package's (anyio's) contexts
     must be left by the task that entered them."""
@@ -790,9 +814,9 @@ async def mcp_session(stack, target) -> ClientSession:
     return session
 
 
-async def call_mcp(session, name, argument: str) -> str:
-    """MCP tool `name` called with the JSON object `argument`: its result's text content."""
-    result = await session.call_tool(name, json.loads(argument) if argument.strip() else {})
+async def call_mcp(session, name, **arguments) -> str:
+    """MCP tool `name` called with `arguments` (the call's JSON object): its result's text."""
+    result = await session.call_tool(name, arguments)
     text = "\n".join(c.text for c in result.content if c.type == "text")
     return f"error: {text}" if result.is_error else text
 
@@ -848,6 +872,7 @@ def make_app(args, flags) -> web.Application:
         if flags.tool_call_parser:
             parser = ToolParserManager.get_tool_parser(flags.tool_call_parser)
             state.tool_parser = functools.partial(parser, engine.tokenizer)
+            read_family_calls(app[ROLLOUT], state.tool_parser)
         watcher = asyncio.ensure_future(watch_engine(app))
         yield
         watcher.cancel()
@@ -973,7 +998,8 @@ def add_tool_flags(g):
         "--tool", type=tool_flag, action="append", metavar="NAME=MODULE:FN", help="a /rollout tool"
     )
     # /v1/chat/completions with `tools`: the model's tool calls come back as `tool_calls`. As in
-    # vllm serve, where it goes with --enable-auto-tool-choice (implied here)
+    # vllm serve, where it goes with --enable-auto-tool-choice (implied here). /rollout reads
+    # calls in the family's format too, between the parser's own tags
     g.add_argument(
         "--tool-call-parser",
         choices=ToolParserManager.list_registered(),

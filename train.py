@@ -1017,7 +1017,7 @@ def calculator_data(n, seed):
 
 def power_data(n, seed):
     """The MCP tool task: a power of two digits, "7^5=" -> "16807", which the tiny model cannot
-    compute but the `power` tool of tests/mcp_tools.py can (called with two arguments)."""
+    compute but the `power` tool of mcp_arith.py can (called with two arguments)."""
     rng = random.Random(seed)
     pairs = [(rng.randrange(2, 10), rng.randrange(2, 10)) for _ in range(n)]
     call = '<tool>power {{"base":{},"exponent":{}}}</tool>'.format
@@ -1420,11 +1420,9 @@ def launch(cfg, k):
         flags += ["--enable-lora", "--max-lora-rank", str(rank)]
         flags += ["--max-loras", str(cfg.max_staleness + 2), "--max-body-mb", "1024"]
     if cfg.task == "power":
-        # its MCP server, tests/mcp_tools.py
-        mcp_tools = os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "tests", "mcp_tools.py"
-        )
-        flags += ["--mcp", f"arith={sys.executable} {mcp_tools}"]
+        # its MCP server
+        mcp_arith = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_arith.py")
+        flags += ["--mcp", f"arith={sys.executable} {mcp_arith}"]
     gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
     log = os.path.join(cfg.out, f"server{k}.log")
     return launch_server(*flags, *shlex.split(cfg.server_args), log_path=log, env=os.environ | gpu)

@@ -4,6 +4,7 @@ only server.py and client.py meets.
 Run: .venv/bin/python -m pytest tests/test_service.py
 """
 
+import asyncio
 import json
 import random
 
@@ -15,14 +16,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server
 from conftest import CALC_TOOL
-from engine import calculator
+from engine import RolloutEngine, calculator
 from local import launch_server
 
 
 # -- a user's own tool, one flag away --------------------------------------------------------------
 def test_a_users_own_tool_is_registered_by_a_flag_and_called(tool_server):
     assert "wordcount" in tool_server.health()["tools"]
-    ep = greedy_rollout(tool_server, "<tool>wordcount one two three", max_turns=2)
+    # the built-in format, on a server whose default is its parser's (hermes)
+    prompt = "<tool>wordcount one two three"
+    ep = greedy_rollout(tool_server, prompt, max_turns=2, call_start="<tool>")
     assert ep.tool_calls[0] == {"name": "wordcount", "argument": "one two three", "result": "3"}
     [[allowed]] = tool_server.rollout(["x"], tools=["wordcount"], max_tokens=2)
     assert allowed.finish_reason
@@ -86,6 +89,27 @@ def test_an_openai_agent_with_function_calling_gets_tool_calls_and_a_token_exact
     whole = messages[:1] + [call_message, messages[2], {"role": "assistant", "content": "It is 5."}]
     text = tok.apply_chat_template(whole, tools=[CALC_TOOL], tokenize=False)
     assert episode.token_ids == tok.encode(text, add_special_tokens=False)[: len(episode.token_ids)]
+
+
+def test_rollout_reads_a_call_in_the_familys_format_as_v1_does(tool_server):
+    """With --tool-call-parser hermes, /rollout's default tags are the parser's, the parser reads
+    the model's call, and calc gets its `expression` as a keyword."""
+    tok = AutoTokenizer.from_pretrained(tool_server.health()["model"])
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = tok.apply_chat_template(
+        messages, tools=[CALC_TOOL], tokenize=False, add_generation_prompt=True
+    )
+    [[ep]] = tool_server.rollout([prompt], temperature=0.0, max_tokens=100, max_turns=2)
+    assert ep.tool_calls[0] == {"name": "calc", "argument": '{"expression": "2+3"}', "result": "5"}
+    assert ep.turns[0]["text"].endswith("</tool_call>")
+
+
+def test_a_call_the_parser_cannot_read_answers_an_error():
+    """A call between the parser's tags that it cannot read is the episode's error text."""
+    rollouts = RolloutEngine(engine=None, read_call=lambda text: None)
+    name, argument, keywords = rollouts.parse_call('{"name": oops', "<tool>", "</tool>")
+    answer = asyncio.run(rollouts.call_tool(name, argument, keywords=keywords))
+    assert answer.startswith("error: no tool call could be read") and "oops" in answer
 
 
 def test_tools_without_a_parser_or_forcing_a_call_are_a_400(tool_server, server):
