@@ -360,10 +360,11 @@ class Rollouts:
             # rows sampled already (by a run of a larger K) come first, in their order
             rows = self.sampled.popleft() if self.sampled else None
             self.queue.append(QueuedStep(rows or rng.sample(data, self.cfg.prompts_per_step)))
-            if self.cfg.max_staleness == 0:
-                # if the server is lost meanwhile, it is reconnected and the next step submits
-                self.unless_lost(self.submit_queued, self.version + 1)
+        # the queue and the weights agree again: a stop from here on leaves the checkpoint of s+1
         self.next_step = step + 1
+        if self.cfg.max_staleness == 0 and len(self.queue) > 0:
+            # if the server is lost meanwhile, it is reconnected and the next step submits
+            self.unless_lost(self.submit_queued, self.version + 1)
 
     def submit_queued(self, min_version=0):
         """Submit the queued steps not submitted yet: to sample the weights the server holds, or

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import train
 from client import Client, Router, free_port, push_until_done
 from conftest import GPU_FLAGS, stop_in_background
-from local import launch_server, stop_server
+from local import launch_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the data-parallel server's replicas: on the CPU both share it; on GPUs each needs its own
@@ -232,15 +233,25 @@ def test_every_replica_of_a_data_parallel_server_loads_the_update(router, hf):
 def test_a_killed_server_is_dropped_then_readmitted_with_the_current_weights(
     router, servers, model_path, hf, tmp_path
 ):
+    """Killed by SIGKILL: vLLM's engine core and its workers notice that the server is gone and
+    exit; the Router drops the server, and readmits the one started on its ports."""
     model, tokenizer = hf
     plain, data_parallel = router.clients
     proc, ports = servers.pop("plain")
-    stop_server(proc)
+    engine = psutil.Process(proc.pid).children(recursive=True)
+    assert any("EngineCore" in p.name() for p in engine), engine
+    proc.kill()
+    proc.wait()
     dropped = router.update_model_params(perturbed(model, seed=6))
     assert router.live == [data_parallel]
     future = router.generate(["z"], max_tokens=2, is_async=True)
     assert not plain.pending and data_parallel.pending
     future.result()
+    # they exit within seconds: gone, or zombies whose parent died
+    _, alive = psutil.wait_procs(engine, timeout=60)
+    for p in alive:
+        p.kill()
+    assert not alive, alive
 
     proc, _ = launch_server(
         "--model", model_path, *GPU_FLAGS, log_path=tmp_path / "restarted.log", **ports
