@@ -29,9 +29,6 @@ from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from mcp import ClientSession, StdioServerParameters
-from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors.torch import load as load_safetensors
@@ -800,9 +797,14 @@ async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event, taken=(
         print(f"the MCP connections ended: {e!r}", file=sys.stderr, flush=True)
 
 
-async def mcp_session(stack, target) -> ClientSession:
-    """An initialised MCP session with `target`: a URL (streamable HTTP), or a command line that
-    is started (stdio) and stopped when `stack` closes."""
+async def mcp_session(stack, target):
+    """An initialised MCP session (mcp's ClientSession) with `target`: a URL (streamable HTTP), or
+    a command line that is started (stdio) and stopped when `stack` closes."""
+    # imported here: a server without --mcp needs no mcp package (the GPU machines have none)
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    from mcp.client.streamable_http import streamable_http_client
+
     if target.startswith(("http://", "https://")):
         streams = await stack.enter_async_context(streamable_http_client(target))
     else:

@@ -6,6 +6,7 @@ On a GPU machine the same tests run against a server on the GPU; `make test-gpu`
 `python3 -m pytest -m gpu`) runs the ones whose code path differs there (docs/testing.md).
 """
 
+import importlib.util
 import os
 import sys
 import threading
@@ -74,13 +75,17 @@ def model_path():
 # tools of one's own (tests/my_tools.py): plain ones, an async one that times out, and misbehaving
 # ones (tests/test_rollout.py)
 SESSION_TOOLS = ("reverse", "shout", "plus", "slow", "hang", "exits", "leak", "big")
-# a real MCP server (tests/mcp_tools.py), over stdio
+# a real MCP server (tests/mcp_tools.py), over stdio, where the mcp package is installed (the GPU
+# machines have none)
 MCP_TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_tools.py")
+HAS_MCP = importlib.util.find_spec("mcp") is not None
+needs_mcp = pytest.mark.skipif(not HAS_MCP, reason="needs the mcp package")
 
 
 def start_session_server(log_path):
     tools = [f"--tool={name}=tests.my_tools:{name}" for name in SESSION_TOOLS]
-    tools += ["--mcp", f"arith={sys.executable} {MCP_TOOLS}"]
+    if HAS_MCP:
+        tools += ["--mcp", f"arith={sys.executable} {MCP_TOOLS}"]
     return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "2", log_path=log_path)
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
-from conftest import MCP_TOOLS, position_gradients
+from conftest import MCP_TOOLS, needs_mcp, position_gradients
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +280,7 @@ def test_a_fuzz_of_rollouts_with_misbehaving_tools_answers_no_5xx(client):
     assert len(called - {"slow", "reverse", "calc"}) >= 2, called
 
 
+@needs_mcp
 def test_get_tools_lists_every_tool_as_openai_schemas(client):
     tools = {t["function"]["name"]: t for t in client._request("GET", "/tools")["tools"]}
     assert {"calc", "reverse", "plus", "add", "power"} <= set(tools)
@@ -297,6 +298,7 @@ def test_python_tools_of_keyword_arguments_take_json(client):
     assert ep.tool_calls[0]["result"].startswith("error: TypeError")
 
 
+@needs_mcp
 def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weights, tmp_path):
     """train.py --task power on the session server, whose --mcp arith=... has the `power` tool
     (before the test below ends that MCP server): the warm start teaches the call, and the run's
@@ -315,6 +317,7 @@ def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weight
     assert all(call["result"].isdigit() for call in calls)
 
 
+@needs_mcp
 @pytest.mark.parametrize(
     "call,result",
     [
@@ -338,6 +341,7 @@ def test_mcp_tools_over_stdio_in_episodes(client, call, result):
     assert client.health()["status"] == "ok"
 
 
+@needs_mcp
 def test_mcp_tools_over_streamable_http():
     """serve_mcp connects to an MCP server over streamable HTTP as the server does at start, and
     RolloutEngine calls its tools; in this process (a server on it would start an engine for
