@@ -794,9 +794,8 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
 def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
-    """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
-    (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
-    rest of the step, when the trainer waited for samples."""
+    """One row of metrics.jsonl, the overlap measured where it happens: gen_s on the server (first
+    start to last finish of its requests), train_s and sync_s here, idle_s waiting for samples."""
     gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
     train_s = sum(b - a for a, b in stats["train"])
     sync_s = stats["sync"][0][1] - stats["sync"][0][0]
