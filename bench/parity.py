@@ -255,6 +255,11 @@ def to_target(runs, target):
 
 
 def report(args, curves):
+    steps = set()
+    for runs in curves.values():
+        steps |= {tuple(point.step for point in points) for points in runs}
+    if len(steps) > 1:
+        sys.exit(f"the runs were evaluated at different steps (--reuse of other flags?): {steps}")
     seeds = f"median (min-max) over {args.seeds} seeds"
     print(
         f"\nheld-out: {args.eval_prompts} prompts x 8 samples an evaluation; "
