@@ -325,10 +325,10 @@ def test_fingerprint_on_policy_overlap_and_sync_batch_take_the_same_prompts_rewa
     start = load_file(os.path.join(model_path, "model.safetensors"))
     # training moved the weights, by much more than the tolerance
     assert max((sync[2][k] - start[k]).abs().max() for k in start) > 1e-3
-    # Equal bit for bit where the groups finished in the order they were submitted (every run so
-    # far): the micro-batches and their gradients' sum are then sync-batch's. Another order sums
-    # the same gradient in another order, and a weight whose gradient is near AdamW's eps moves by
-    # what its last digits decide (up to 9.4e-6 measured in test_scale.py's two-rank test).
+    # Equal bit for bit where the groups finished in the order they were submitted (as in the
+    # runs measured): the micro-batches and their gradients' sum are then sync-batch's. Another
+    # order sums the same gradient in another order, and a weight whose gradient is near AdamW's
+    # eps moves by what its last digits decide (up to 9.4e-6 in test_scale.py's two-rank test).
     assert max((overlap[2][k] - sync[2][k]).abs().max() for k in start) < 5e-5
 
 
