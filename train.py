@@ -421,6 +421,8 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
     tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
     stats = {"tokens": 0, "loss": 0.0, "gen": [], "train": [], "sync": []}
+    # which prompts the step trained on, in a number: runs compare their steps by it
+    stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
     reward_fn = reward_function(cfg)
     # samples: [prompt][G] Completion or Episode
     for rows, samples, times in collect(rollouts.client, queued.rows, queued.requests, cfg):
@@ -792,9 +794,8 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
 def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
-    """One row of metrics.jsonl. The overlap is measured where it happens: gen_s on the server
-    (first start to last finish of the step's requests), train_s and sync_s here; idle_s is the
-    rest of the step, when the trainer waited for samples."""
+    """One row of metrics.jsonl, the overlap measured where it happens: gen_s on the server (first
+    start to last finish of its requests), train_s and sync_s here, idle_s waiting for samples."""
     gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
     train_s = sum(b - a for a, b in stats["train"])
     sync_s = stats["sync"][0][1] - stats["sync"][0][0]
@@ -819,6 +820,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
+        "prompts_crc32": stats["prompts_crc32"],
         "schedule": cfg.schedule,
         "grad_norm": stats["grad_norm"],
         "tokens": stats["tokens"],

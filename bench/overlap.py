@@ -48,6 +48,7 @@ sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis (plot.draw_tim
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -145,35 +146,65 @@ def main():
         p.error(f"--runs: sync-batch first, then any of {', '.join(RUNS)}")
 
     workload = {"task": "sums", "model_size": args.model_size, "reward": args.reward}
-    if gpu:  # the server on GPU 0, the trainer on GPU 1 (or 0): no pinning
-        if torch.cuda.device_count() < (2 if args.device == "cuda:1" else 1):
-            p.error(f"--device {args.device}: {torch.cuda.device_count()} GPUs visible")
-        # this process's CUDA work on the trainer's GPU
-        torch.cuda.set_device(torch.device(args.device).index or 0)
-        # vLLM's default admits 128 sequences at a time here; unthrottled means every step
-        # submitted at once (in-flight K=2: three)
-        share = "0.5" if args.device == "cuda:1" else "0.4"
-        server_flags = (
-            *("--dtype", "bfloat16", "--gpu-memory-utilization", share),
-            *("--max-num-seqs", str(3 * args.prompts_per_step * args.group_size)),
-        )
-        trainer = {"device": args.device, "dtype": "bfloat16", "bf16": True}
-    else:
-        torch.set_num_threads(1)
-        # the server's engine: its OpenMP threads on core 0
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-        server_flags, trainer = (), {}
+    server_flags, trainer = device_setup(p, args)
     model = train.builtin_model(
         train.Config(**workload, **trainer, warm_start_steps=args.warm_start_steps)
     )
+    print_setup(args.device, model)
+    histories = run_schedules(args, model, server_flags, trainer | workload)
+    report(args, histories)
+
+
+def device_setup(p, args):
+    """(the server's flags, the trainer's Config fields) for --device, as the docstring says."""
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+        # the server's engine: its OpenMP threads on core 0
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        return (), {}
+    # the server on GPU 0, the trainer on GPU 1 (or 0): no pinning
+    if torch.cuda.device_count() < (2 if args.device == "cuda:1" else 1):
+        p.error(f"--device {args.device}: {torch.cuda.device_count()} GPUs visible")
+    # this process's CUDA work on the trainer's GPU
+    torch.cuda.set_device(torch.device(args.device).index or 0)
+    # vLLM's default admits 128 sequences at a time here; unthrottled means every step submitted
+    # at once (in-flight K=2: three)
+    share = "0.5" if args.device == "cuda:1" else "0.4"
+    server_flags = (
+        *("--dtype", "bfloat16", "--gpu-memory-utilization", share),
+        *("--max-num-seqs", str(3 * args.prompts_per_step * args.group_size)),
+    )
+    return server_flags, {"device": args.device, "dtype": "bfloat16", "bf16": True}
+
+
+def print_setup(device, model):
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device != "cpu" else ""
     print(
-        f"device {args.device}"
-        + (f" ({torch.cuda.get_device_name(args.device)})" if gpu else "")
-        + f"; model: {model}, {parameters(model) / 1e6:.0f}M parameters",
+        f"device {device}{gpu}; model: {model}, {parameters(model) / 1e6:.0f}M parameters",
         flush=True,
     )
-    histories = run_schedules(args, model, server_flags, trainer | workload, gpu)
-    report(args, histories)
+
+
+@contextlib.contextmanager
+def serving(args, model, server_flags):
+    """A Client of --server-url, or of a server started on `model` (its log in --out) and stopped
+    at the end; on the CPU that server runs on core 0, and this process then on core 1."""
+    if args.server_url:
+        yield Client(args.server_url)
+        return
+    cpu = args.device == "cpu"
+    if cpu:
+        # the server (a child process inherits this) on core 0
+        os.sched_setaffinity(0, {0})
+    log_path = os.path.join(args.out, "server.log")
+    proc, client = launch_server("--model", model, *server_flags, log_path=log_path)
+    if cpu:
+        # this process is the trainer: core 1
+        os.sched_setaffinity(0, {1})
+    try:
+        yield client
+    finally:
+        stop_server(proc)
 
 
 # name: (--schedule, --max-staleness, --update-mode)
@@ -190,21 +221,11 @@ RUNS = {
 TIMELINES = ["sync-batch", "overlap", "drain K=1", "in-flight K=1"]
 
 
-def run_schedules(args, model, server_flags, trainer, gpu):
+def run_schedules(args, model, server_flags, trainer):
     """train.train once per schedule, all against one server; their metrics."""
     os.makedirs(args.out, exist_ok=True)
-    if args.server_url:
-        proc, client = None, Client(args.server_url)
-    else:
-        if not gpu:
-            os.sched_setaffinity(0, {0})  # the server (a child process inherits this) on core 0
-        proc, client = launch_server(
-            "--model", model, *server_flags, log_path=os.path.join(args.out, "server.log")
-        )
-        if not gpu:
-            os.sched_setaffinity(0, {1})  # this process is the trainer: core 1
     histories = {}
-    try:
+    with serving(args, model, server_flags) as client:
         for name in args.runs.split(","):
             schedule, staleness, update_mode = RUNS[name]
             cfg = train.Config(
@@ -223,9 +244,6 @@ def run_schedules(args, model, server_flags, trainer, gpu):
             )
             print(json.dumps(vars(cfg)), flush=True)
             histories[name] = train.train(cfg, client)
-    finally:
-        if proc:
-            stop_server(proc)
     return histories
 
 

@@ -1,5 +1,5 @@
 """train.py's runs as the benchmarks read them (rows of its metrics.jsonl): figures with their
-spread, and the refusal of a run that trained on too little to be timed."""
+spread, and the refusal of a run that trained on too little to be timed, or on nothing."""
 
 import statistics
 import sys
@@ -34,3 +34,16 @@ def refuse_hollow(runs):
     reasons = [reason for name, rows in runs.items() if (reason := hollow(name, rows))]
     if reasons:
         sys.exit("no speed-up reported: a side skipped its training\n" + "\n".join(reasons))
+
+
+def refuse_untrained(runs):
+    """Exit non-zero, saying why, if any run of {name: rows} trained on nothing: no group of any
+    step had an advantage. (A run that learns may skip most groups late: every answer right.)"""
+    reasons = []
+    for name, rows in runs.items():
+        zero = statistics.mean(r["frac_reward_zero_std"] for r in rows)
+        print(f"{name}: frac_reward_zero_std={zero:.2f}", flush=True)
+        if zero == 1:
+            reasons.append(f"{name}: 100% of its groups had no advantage (every reward equal)")
+    if reasons:
+        sys.exit("no parity reported: a side trained nothing\n" + "\n".join(reasons))

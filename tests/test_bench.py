@@ -1,5 +1,6 @@
 """The benchmarks' CPU smoke runs: each trains on train.py's workload, and refuses to report a
-speed-up where a side trained nothing (given a reward that is always 0, tests/my_rewards.py).
+speed-up (or parity) where a side trained nothing (given a reward that is always 0,
+tests/my_rewards.py).
 bench/trl_gpu.py runs train.py's side only: TRL is not installed here.
 bench/scale.py's smoke run with two servers is in tests/test_scale.py, on that file's servers.
 
@@ -8,6 +9,7 @@ benchmarks take --server-url, and push their model's weights there first)
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +60,41 @@ def test_the_scale_bench_refuses_a_speedup_where_a_side_trained_nothing(
     assert run.returncode == 1
     assert "no speed-up reported" in run.stderr and "1 rank: 100% of its groups" in run.stderr
     assert "training, 2 rank(s)" not in run.stdout and "_speedup=" not in run.stdout
+
+
+def parity(server, tmp_path, *flags):
+    """bench/parity.py --smoke: 6 steps of 8 prompts x 8 a run, 2 seeds, evaluations every 2."""
+    folders = ("--out", str(tmp_path / "runs"), "--plot-dir", str(tmp_path))
+    return bench("parity.py", "--smoke", "--server-url", server.base_url, *folders, *flags)
+
+
+def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_time_to_target(
+    server, tmp_path, restore_weights
+):
+    run = parity(server, tmp_path, "--schedules", "sync-batch,in-flight K=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    # accuracy, reward and seconds at each evaluation: median (min-max) over the seeds, a column
+    # per schedule
+    band = r"\d+\.\d+ \(\d+\.\d+-\d+\.\d+\)"
+    for title in ("held-out exact accuracy (pass@1)", "held-out reward", "seconds of training"):
+        at = lines.index(f"{title}, median (min-max) over 2 seeds")
+        assert lines[at + 1].split() == ["step", "sync-batch", "in-flight", "K=1"]
+        for row, step in zip(lines[at + 2 : at + 6], (0, 2, 4, 6)):
+            assert re.fullmatch(rf" +{step} +{band} +{band}", row), row
+    [stale] = [x for x in lines if x.startswith("in-flight K=1: step 6 accuracy ")]
+    assert re.search(r"(inside|outside) the on-policy band \d", stale), stale
+    assert stale.endswith(("target not reached", "x", "sync-batch did not reach it")), stale
+    assert (tmp_path / "parity-cpu.png").stat().st_size > 10_000
+
+
+def test_the_parity_bench_refuses_a_side_that_trained_nothing(server, tmp_path, restore_weights):
+    # the first run trained on nothing: the benchmark stops there
+    run = parity(server, tmp_path, "--steps", "1", "--reward", "tests.my_rewards:zero")
+    assert run.returncode == 1
+    assert "no parity reported" in run.stderr
+    assert "sync-batch seed 0: 100% of its groups had no advantage" in run.stderr
+    assert "seed 1" not in run.stdout and "on-policy band" not in run.stdout
 
 
 def trl_gpu(server, tmp_path, *flags):

@@ -22,6 +22,7 @@ import time
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plot
@@ -296,6 +297,39 @@ def test_every_schedule_is_on_policy(server, model_path, tmp_path, restore_weigh
         r["mismatch_kl"] >= 0 and r["mismatch_mean"] <= r["mismatch_max"] < atol for r in rows
     )
     assert all(0 <= r["frac_reward_zero_std"] <= 1 for r in rows)
+
+
+def fingerprint(server, model_path, out, **settings):
+    """8 seeded steps of `settings`' schedule into `out`: each step's prompts (their crc32), its
+    rewards and the final parameters (from the checkpoint)."""
+    cfg = train.Config(model=model_path, out=str(out), steps=8, prompts_per_step=8, group_size=4)
+    cfg = dataclasses.replace(cfg, seed_requests=True, **settings)
+    history = train.train(cfg, server)
+    prompts = [h["prompts_crc32"] for h in history]
+    rewards = [h["reward"] for h in history]
+    return prompts, rewards, load_file(out / "checkpoint" / "model.safetensors")
+
+
+def test_fingerprint_on_policy_overlap_and_sync_batch_take_the_same_prompts_rewards_weights(
+    server, model_path, tmp_path, restore_weights
+):
+    """At --max-staleness 0 with --seed-requests both schedules sample one policy the same way: the
+    same prompts at each step, the same rewards, the same weights after 8 updates. One step stale
+    (K = 1) the steps take the same prompts, on older weights: rewards may differ."""
+    sync = fingerprint(server, model_path, tmp_path / "sync", schedule="sync-batch")
+    overlap = fingerprint(server, model_path, tmp_path / "overlap", schedule="overlap")
+    stale = fingerprint(server, model_path, tmp_path / "stale", max_staleness=1)
+    assert len(set(sync[0])) == 8
+    assert overlap[0] == sync[0] and stale[0] == sync[0]
+    assert overlap[1] == sync[1]
+    start = load_file(os.path.join(model_path, "model.safetensors"))
+    # training moved the weights, by much more than the tolerance
+    assert max((sync[2][k] - start[k]).abs().max() for k in start) > 1e-3
+    # Equal bit for bit where the groups finished in the order they were submitted (as in the
+    # runs measured): the micro-batches and their gradients' sum are then sync-batch's. Another
+    # order sums the same gradient in another order, and a weight whose gradient is near AdamW's
+    # eps moves by what its last digits decide (up to 9.4e-6 in test_scale.py's two-rank test).
+    assert max((overlap[2][k] - sync[2][k]).abs().max() for k in start) < 5e-5
 
 
 @pytest.fixture(scope="module")

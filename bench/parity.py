@@ -1,0 +1,341 @@
+"""Parity: does asynchronous training learn as the synchronous loop does? Held-out exact accuracy of
+every schedule over seeds, against steps and against seconds.
+
+    # CPU, seconds: the tiny model on addition, 2 seeds, 3 schedules, 6 steps
+    .venv/bin/python bench/parity.py --smoke
+    # CPU: the tiny model on addition, 3 seeds, every schedule, 120 steps (minutes)
+    .venv/bin/python bench/parity.py
+    # one H200: server and trainer on GPU 0 (weights over CUDA IPC), the 0.5B shape on sums
+    python3 bench/parity.py --device cuda --task sums --warm-start-steps 400
+    # the same in pieces (a run of 200 steps takes ~10 min there): each call trains the runs not
+    # finished yet, and the last one reports them all
+    python3 bench/parity.py --device cuda --schedules sync-batch --seeds 1 --reuse
+
+Each schedule of bench/overlap.py (sync-batch, overlap, drain K=1, in-flight K=1, in-flight K=2,
+named and set up as there) runs train.train once per seed 0..--seeds-1, all on one server (or
+--server-url's), each from the same warm-started built-in model (train.builtin_model of --task
+and --model-size, cached in .cache/), pushed first. At seed s every schedule trains on the same
+prompts and holds out the same ones (train.py's --seed s), its requests seeded from its prompts
+(--seed-requests: at K = 0 overlap and sync-batch so take the same samples, the fingerprint test
+in tests/test_train.py). train.py evaluates the held-out prompts every --eval-every steps and at
+the end (--eval-prompts x 8 samples, eval_samples.jsonl): an answer is exact when its reward is 1
+(pass@1), and its reward is the task's.
+
+Per schedule, at each evaluation: the median and band (min-max over seeds) of held-out exact
+accuracy and reward, and the seconds of training up to it (the sum of train.py's step_s before
+it: evaluations included, which every schedule runs alike). Then the steps and seconds to
+--target (the first evaluation whose median is at or above it; "not reached" otherwise), and a
+line per schedule: its median accuracy at the last step inside or outside the sync-batch band
+there (the on-policy band), and its speed-up to --target (sync-batch's seconds over its own). It
+draws --plot-dir/parity-cpu.png (or -gpu.png): accuracy against steps and against seconds, each
+schedule's median and band.
+
+A run that trained nothing (no group of any step with an advantage: every reward of each group
+equal; bench/runs.py) stops the benchmark as it ends (exit 1): no parity is reported from it. One
+that learns may skip most groups late (every answer right): bench/overlap.py's stricter refusal,
+for timing, would stop it.
+
+On the CPU (addition: 25 distinct sums, 8 held out and never trained on) the tiny model's held-out
+accuracy moves, but unsteadily (docs/results.md): the CPU run shows the machinery, not parity.
+On the GPU the workload must be warm-started (--warm-start-steps) to 10-40% exact accuracy on the
+held-out prompts: a model that never answers exactly, or always does, shows no parity whatever the
+schedule. The GPU defaults (the 0.5B shape, 32 prompts x 8 x <=256 tokens, lr 2e-5: the GPU
+demo's) are a shape for one H200, not a chosen workload: pass --task and its warm start.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from overlap import RUNS, device_setup, print_setup, serving  # noqa: E402
+from runs import refuse_untrained  # noqa: E402
+
+import train  # noqa: E402
+from local import SHAPES  # noqa: E402
+
+# the defaults that depend on --device: (CPU, GPU); --smoke's replace the CPU's
+DEFAULTS = {
+    "model_size": ("tiny", "0.5b"),
+    "task": ("addition", "sums"),
+    "warm_start_steps": (100, 400),
+    "steps": (120, 200),
+    "eval_every": (10, 10),
+    "eval_prompts": (8, 64),
+    "prompts_per_step": (32, 32),
+    "max_tokens": (4, 256),
+    "lr": (1e-3, 2e-5),
+    "seeds": (3, 3),
+    "schedules": (",".join(RUNS), ",".join(RUNS)),
+    "target": (0.3, 0.4),
+}
+SMOKE = {
+    "warm_start_steps": 20,
+    "steps": 6,
+    "eval_every": 2,
+    "prompts_per_step": 8,
+    "seeds": 2,
+    "schedules": "sync-batch,overlap,in-flight K=1",
+    "target": 0.15,
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "cuda:1"],
+        default="cpu",
+        help="as bench/overlap.py's: cpu (server on core 0, trainer on core 1), cuda (both on GPU "
+        "0), cuda:1 (server on GPU 0, trainer on GPU 1)",
+    )
+    p.add_argument("--smoke", action="store_true", help="CPU, seconds: " + json.dumps(SMOKE))
+    p.add_argument("--model-size", choices=list(SHAPES), help="default: tiny CPU, 0.5b GPU")
+    p.add_argument("--task", choices=list(train.TASKS), help="default: addition CPU, sums GPU")
+    p.add_argument("--warm-start-steps", type=int, help="default: 100 CPU, 400 GPU")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default: 120 CPU, 200 GPU)")
+    p.add_argument("--eval-every", type=int, help="steps between evaluations (default: 10)")
+    p.add_argument("--eval-prompts", type=int, help="held-out prompts (default: 8 CPU, 64 GPU)")
+    p.add_argument("--prompts-per-step", type=int, help="default: 32")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--max-tokens", type=int, help="completion length limit (4 CPU, 256 GPU)")
+    p.add_argument("--lr", type=float, help="default: 1e-3 CPU, 2e-5 GPU")
+    p.add_argument("--reward", default="", help="train.py's --reward (default: the task's)")
+    p.add_argument("--seeds", type=int, help="runs per schedule, seeds 0.. (default: 3)")
+    p.add_argument("--schedules", help="sync-batch first, then any of bench/overlap.py's RUNS")
+    p.add_argument(
+        "--target", type=float, help="held-out exact accuracy to reach (0.3 CPU, 0.4 GPU)"
+    )
+    p.add_argument("--server-url", default="", help="a running server on the model (default: one)")
+    p.add_argument(
+        "--out", default=os.path.join(ROOT, "runs", "bench-parity"), help="the runs, server.log"
+    )
+    p.add_argument("--plot-dir", default=os.path.join(ROOT, "docs"), help="for parity-*.png")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take the finished runs in --out (those with an eval.json) instead of training them "
+        "again: a long benchmark in pieces, the last call reporting every run",
+    )
+    args = p.parse_args()
+    gpu = args.device != "cpu"
+    if args.smoke and gpu:
+        p.error("--smoke runs on the CPU")
+    for name, (on_cpu, on_gpu) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            smoke = SMOKE.get(name, on_cpu) if args.smoke else on_cpu
+            setattr(args, name, on_gpu if gpu else smoke)
+    names = args.schedules.split(",")
+    if names[0] != "sync-batch" or not set(names) <= set(RUNS):
+        p.error(f"--schedules: sync-batch first, then any of {', '.join(RUNS)}")
+    return p, args
+
+
+def main():
+    p, args = parse_args()
+    server_flags, trainer = device_setup(p, args)
+    workload = {"task": args.task, "model_size": args.model_size, "reward": args.reward}
+    model = train.builtin_model(
+        train.Config(**workload, **trainer, warm_start_steps=args.warm_start_steps)
+    )
+    print_setup(args.device, model)
+    os.makedirs(args.out, exist_ok=True)
+    curves = {}
+    with serving(args, model, server_flags) as client:
+        for name in args.schedules.split(","):
+            curves[name] = [
+                run(args, client, model, name, seed, trainer | workload)
+                for seed in range(args.seeds)
+            ]
+    report(args, curves)
+
+
+@dataclass
+class Evaluation:
+    """A held-out evaluation of a run: after `step` updates, `seconds` of training in; exact
+    accuracy (pass@1) and the mean reward of its samples."""
+
+    step: int
+    seconds: float
+    accuracy: float
+    reward: float
+
+
+def run(args, client, model, name, seed, settings):
+    """The evaluations of schedule `name` at `seed`: trained into a new folder, or with --reuse
+    read from a finished one. A run that trained nothing stops the benchmark here."""
+    out = os.path.join(args.out, f"{name.replace(' ', '-')}-seed{seed}")
+    if args.reuse and os.path.exists(os.path.join(out, "eval.json")):
+        print(f"\n{name}, seed {seed}: reused, {out}", flush=True)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            history = [json.loads(line) for line in f]
+    else:
+        print(f"\n{name}, seed {seed}: {out}", flush=True)
+        history = train_run(args, client, model, name, seed, settings, out)
+    refuse_untrained({f"{name} seed {seed}": history})
+    return evaluations(out, history)
+
+
+def train_run(args, client, model, name, seed, settings, out):
+    """train.train of schedule `name` (RUNS') at `seed`, from `model`'s weights, into `out`."""
+    schedule, staleness, update_mode = RUNS[name]
+    # train.py adds to eval_samples.jsonl: an old run's would be read as this one's
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = train.Config(
+        model=model,
+        out=out,
+        seed=seed,
+        seed_requests=True,
+        steps=args.steps,
+        schedule=schedule,
+        max_staleness=staleness,
+        update_mode=update_mode,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        eval_prompts=args.eval_prompts,
+        **settings,
+    )
+    return train.train(cfg, client)
+
+
+def evaluations(out, history):
+    """The run's evaluations in order: those of its steps (metrics.jsonl's "eval") and the final
+    one (eval.json), each with the mean reward of its samples in eval_samples.jsonl."""
+    results = [(row["step"], row["eval"]) for row in history if "eval" in row]
+    with open(os.path.join(out, "eval.json")) as f:
+        results.append((len(history), json.load(f)))
+    with open(os.path.join(out, "eval_samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    # each evaluation wrote as many samples, one after the other
+    size = len(samples) // len(results)
+    points = []
+    for i, (step, result) in enumerate(results):
+        rewards = [sample["reward"] for sample in samples[i * size : (i + 1) * size]]
+        seconds = sum(row["step_s"] for row in history[:step])
+        points.append(Evaluation(step, seconds, result["pass@1"], statistics.mean(rewards)))
+    return points
+
+
+@dataclass
+class Band:
+    """One measure of a schedule's runs at one evaluation: the median and the band over seeds."""
+
+    median: float
+    low: float
+    high: float
+
+    def show(self, digits=3):
+        return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
+
+
+def band(runs, i, measure):
+    """The Band of `measure` ("accuracy", "reward", "seconds") at evaluation i of `runs`."""
+    values = [getattr(points[i], measure) for points in runs]
+    return Band(statistics.median(values), min(values), max(values))
+
+
+def to_target(runs, target):
+    """(steps, seconds) at the first evaluation whose median accuracy is at least `target`, or
+    None."""
+    for i, point in enumerate(runs[0]):
+        if band(runs, i, "accuracy").median >= target:
+            return point.step, band(runs, i, "seconds").median
+    return None
+
+
+def report(args, curves):
+    steps = set()
+    for runs in curves.values():
+        steps |= {tuple(point.step for point in points) for points in runs}
+    if len(steps) > 1:
+        sys.exit(f"the runs were evaluated at different steps (--reuse of other flags?): {steps}")
+    seeds = f"median (min-max) over {args.seeds} seeds"
+    print(
+        f"\nheld-out: {args.eval_prompts} prompts x 8 samples an evaluation; "
+        f"training: {args.prompts_per_step} prompts x {args.group_size} a step"
+    )
+    for measure, title, digits in (
+        ("accuracy", "held-out exact accuracy (pass@1)", 3),
+        ("reward", "held-out reward", 3),
+        ("seconds", "seconds of training", 1),
+    ):
+        print(f"\n{title}, {seeds}")
+        print(f"{'step':>5} " + " ".join(f"{name:>22}" for name in curves))
+        for i, point in enumerate(curves["sync-batch"][0]):
+            cells = [band(runs, i, measure).show(digits) for runs in curves.values()]
+            print(f"{point.step:>5} " + " ".join(f"{cell:>22}" for cell in cells))
+    print(f"\nto held-out exact accuracy {args.target}:")
+    base = to_target(curves["sync-batch"], args.target)
+    on_policy = band(curves["sync-batch"], -1, "accuracy")
+    for name, runs in curves.items():
+        print(verdict(name, runs, on_policy, to_target(runs, args.target), base))
+    draw(curves, args)
+
+
+def verdict(name, runs, on_policy, reached, base):
+    """The schedule's line: its last accuracy against the on-policy band, and its speed-up to the
+    target over sync-batch's."""
+    last = band(runs, -1, "accuracy")
+    line = f"{name}: step {runs[0][-1].step} accuracy {last.show()}"
+    if name != "sync-batch":
+        inside = on_policy.low <= last.median <= on_policy.high
+        where = "inside" if inside else "outside"
+        line += f", {where} the on-policy band {on_policy.low:.3f}-{on_policy.high:.3f}"
+    if not reached:
+        return line + "; target not reached"
+    line += f"; target at step {reached[0]}, {reached[1]:.1f} s"
+    if name == "sync-batch":
+        return line
+    if not base:
+        return line + ", sync-batch did not reach it"
+    return line + f", speed-up {base[1] / reached[1]:.2f}x"
+
+
+def draw(curves, args):
+    """Held-out exact accuracy against steps and against seconds: each schedule's median, its band
+    shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    # a dash pattern each: overlap's curve lies on sync-batch's (the same samples, K = 0)
+    for (name, runs), style in zip(curves.items(), ("-", "--", "-.", ":", (0, (6, 2)))):
+        bands = [band(runs, i, "accuracy") for i in range(len(runs[0]))]
+        steps = [point.step for point in runs[0]]
+        seconds = [band(runs, i, "seconds").median for i in range(len(runs[0]))]
+        for ax, x in zip(axes, (steps, seconds)):
+            [line] = ax.plot(x, [b.median for b in bands], linestyle=style, label=name)
+            low, high = [b.low for b in bands], [b.high for b in bands]
+            ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
+    for ax, label in zip(axes, ("optimizer steps", "seconds of training (median over seeds)")):
+        ax.axhline(args.target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("held-out exact accuracy (pass@1)")
+    axes[0].legend()
+    fig.suptitle(
+        f"--task {args.task}, {args.model_size}: median and min-max over {args.seeds} seeds",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    os.makedirs(args.plot_dir, exist_ok=True)
+    device = "cpu" if args.device == "cpu" else "gpu"
+    path = os.path.join(args.plot_dir, f"parity-{device}.png")
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
