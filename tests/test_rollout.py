@@ -314,7 +314,9 @@ def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weight
     episodes = client.rollout(prompts, tools=["power"], n=4, max_turns=2, max_tokens=48)
     calls = [call for group in episodes for ep in group for call in ep.tool_calls]
     assert calls and all(call["name"] == "power" for call in calls)
-    assert all(call["result"].isdigit() for call in calls)
+    # answered by the MCP server; a call the briefly taught model garbles gets an error text
+    assert any(call["result"].isdigit() for call in calls), calls
+    assert all(call["result"].isdigit() or call["result"].startswith("error") for call in calls)
 
 
 @needs_mcp

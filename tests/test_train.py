@@ -896,7 +896,8 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
     assert run.returncode == 1
     [message] = [line for line in run.stderr.splitlines() if line.startswith("RuntimeError: ")]
     assert "the reward tests.my_rewards:flaky raised KeyError: 'solution'" in message
-    assert "scoring the completion '" in message and "of the row {'prompt': '" in message
+    # the completion's repr: in double quotes where it holds a single one
+    assert "scoring the completion " in message and "of the row {'prompt': '" in message
     # the checkpoint of step 2, the plot of steps 0 and 1, and nothing half-saved beside them
     assert torch.load(train.state_path(out))["step"] == 2
     assert os.path.getsize(os.path.join(out, "plot.png")) > 10_000
