@@ -17,9 +17,11 @@
 3. GRPO step: train.train for --steps steps of the addition task with every weight trained and
    pushed, then with a LoRA adapter (--lora-rank): seconds per step, median (min-max) of all
    steps but the first, with their train and sync parts.
-The base model is train.py's built-in one of --model-size, untrained (speeds do not depend on the
-weights). A full push to a server started with --enable-lora serves the base alone, through vLLM's
-LoRA layers all the same: the full side's generation is no faster than on a server without them.
+The base model is train.py's built-in one of --model-size, warm-started on the addition task
+(--warm-start-steps) so that rewards differ inside groups and both sides train; no step ratio is
+printed where a side skipped its training (bench/runs.py). A full push to a server started with
+--enable-lora serves the base alone, through vLLM's LoRA layers all the same: the full side's
+generation is no faster than on a server without them.
 """
 
 import argparse
@@ -34,13 +36,14 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from runs import refuse_hollow  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from weight_sync import raw_broadcast_seconds  # noqa: E402
 
 import train  # noqa: E402
 from client import Client  # noqa: E402
-from local import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
+from local import SHAPES, launch_server, stop_server  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -50,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="the trainer's: cpu or cuda")
     p.add_argument("--model-size", choices=list(SHAPES), help="default: 0.5b on a GPU, else tiny")
     p.add_argument("--rank", type=int, default=8, help="the adapter's rank")
+    p.add_argument(
+        "--warm-start-steps", type=int, default=100, help="the base model's, on addition"
+    )
     p.add_argument("--rounds", type=int, default=7, help="measured pushes per side")
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per side")
     p.add_argument("--prompts-per-step", type=int, default=16)
@@ -108,8 +114,7 @@ def step_seconds(client, base, a, out, lora_rank):
         bf16=on_gpu(a),
         out=out,
     )
-    rows = train.train(cfg, client)[1:]
-    return {part: [r[part] for r in rows] for part in ("step_s", "train_s", "sync_s")}
+    return train.train(cfg, client)[1:]
 
 
 def push_figures(client, base, a):
@@ -152,23 +157,30 @@ def push_figures(client, base, a):
 
 def step_figures(client, base, a, work):
     """3: GRPO steps, full against LoRA."""
-    steps = {}
+    runs, steps = {}, {}
     for name, rank in (("full", 0), ("LoRA", a.rank)):
         # the base weights back: the full run trained the server's
         client.init_communicator(device=a.device)
         client.update_model_params(AutoModelForCausalLM.from_pretrained(base).to(a.device))
         client.close_communicator()
-        steps[name] = step_seconds(client, base, a, os.path.join(work, name), rank)
+        runs[name] = step_seconds(client, base, a, os.path.join(work, name), rank)
+        steps[name] = {
+            part: [r[part] for r in runs[name]] for part in ("step_s", "train_s", "sync_s")
+        }
         shown = "  ".join(f"{part} {spread(t, 1, 3)}" for part, t in steps[name].items())
         print(f"GRPO step, s   {name:<4} {shown}")
+    # no ratio of steps that skipped their training
+    refuse_hollow(runs)
     times = statistics.median(steps["full"]["step_s"]) / statistics.median(steps["LoRA"]["step_s"])
     print(f"               full / LoRA: {times:.2f}x the step time")
 
 
 def main(argv=None):
     a = parse_args(argv)
-    size = "" if a.model_size == "tiny" else f"-{a.model_size}"
-    base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[a.model_size])
+    warm = train.Config(
+        model_size=a.model_size, device=a.device, warm_start_steps=a.warm_start_steps
+    )
+    base = train.builtin_model(warm)
     # vLLM's LoRA kernels on a GPU take 16-bit weights
     gpu = ["--gpu-memory-utilization", "0.3", "--dtype", "bfloat16"] if on_gpu(a) else []
     max_rank = next(r for r in (8, 16, 32, 64, 128, 256, 512) if r >= a.rank)
