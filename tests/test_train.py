@@ -341,7 +341,7 @@ def train_py(model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("train-py") / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = ["--model", model_path, "--steps", "3", "--max-staleness", "1", "--out", str(out)]
-    flags += ["--prompts-per-step", "4", "--micro-batches", "2", "--group-size", "4"]
+    flags += ["--prompts-per-step", "2", "--micro-batches", "2", "--group-size", "4"]
     flags += ["--max-tokens", "300"]
     server_args = "--max-model-len 400 --drain-timeout 0.2 --result-ttl 1 --max-num-seqs 4"
     flags += ["--server-args", server_args]
