@@ -24,15 +24,16 @@ def power(base: int, exponent: int = 2) -> str:
     return str(base ** min(exponent, 64))
 
 
-def main(server=mcp):
+def main():
+    """Serve the tools registered on `mcp` (tests/mcp_tools.py adds its own first)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     # without: stdio
     p.add_argument("--port", type=int, help="serve streamable HTTP on 127.0.0.1:PORT/mcp")
     port = p.parse_args().port
     if port:
-        server.run("streamable-http", port=port)
+        mcp.run("streamable-http", port=port)
     else:
-        server.run("stdio")
+        mcp.run("stdio")
 
 
 if __name__ == "__main__":

@@ -750,16 +750,16 @@ def read_family_calls(rollouts, tool_parser):
     """/rollout reads tool calls in the model family's format, as /v1 does: where the
     --tool-call-parser marks a call with tags of its own (hermes: <tool_call>...</tool_call>),
     they become /rollout's default `call_start` and `call_end`, and the parser reads the call."""
-    tools = ChatCompletionRequest(messages=[], tools=list(rollouts.schemas.values())).tools
-    probe = tool_parser(tools)
-    start = getattr(probe, "tool_call_start_token", None)
-    end = getattr(probe, "tool_call_end_token", None)
+    # one request and one parser for every call: reading a whole call keeps no state between calls
+    request = ChatCompletionRequest(messages=[], tools=list(rollouts.schemas.values()))
+    parser = tool_parser(request.tools)
+    start = getattr(parser, "tool_call_start_token", None)
+    end = getattr(parser, "tool_call_end_token", None)
     if not (isinstance(start, str) and isinstance(end, str) and start and end):
         return
 
     def read_call(text):
-        request = ChatCompletionRequest(messages=[], tools=tools)
-        found = tool_parser(tools).extract_tool_calls(text, request)
+        found = parser.extract_tool_calls(text, request)
         if not found.tools_called:
             return None
         return found.tool_calls[0].function.name, found.tool_calls[0].function.arguments

@@ -110,13 +110,7 @@ def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda", "cuda:1"],
-        default="cpu",
-        help="cpu: server on core 0, trainer on core 1; cuda: both on GPU 0; "
-        "cuda:1: server on GPU 0, trainer on GPU 1 (see above)",
-    )
+    add_device_flag(p)
     p.add_argument("--model-size", choices=list(SHAPES), help="default: tiny on CPU, 0.5b on GPUs")
     p.add_argument("--warm-start-steps", type=int, default=None, help="default: 100 CPU, 400 GPU")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per schedule")
@@ -153,6 +147,17 @@ def main():
     print_setup(args.device, model)
     histories = run_schedules(args, model, server_flags, trainer | workload)
     report(args, histories)
+
+
+def add_device_flag(p):
+    """--device, the placement device_setup reads (bench/parity.py's too)."""
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "cuda:1"],
+        default="cpu",
+        help="cpu: server on core 0, trainer on core 1; cuda: both on GPU 0; "
+        "cuda:1: server on GPU 0, trainer on GPU 1",
+    )
 
 
 def device_setup(p, args):

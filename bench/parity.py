@@ -54,7 +54,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from overlap import RUNS, device_setup, print_setup, serving  # noqa: E402
+from overlap import RUNS, add_device_flag, device_setup, print_setup, serving  # noqa: E402
 from runs import refuse_untrained  # noqa: E402
 
 import train  # noqa: E402
@@ -90,13 +90,7 @@ def parse_args():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda", "cuda:1"],
-        default="cpu",
-        help="as bench/overlap.py's: cpu (server on core 0, trainer on core 1), cuda (both on GPU "
-        "0), cuda:1 (server on GPU 0, trainer on GPU 1)",
-    )
+    add_device_flag(p)
     p.add_argument("--smoke", action="store_true", help="CPU, seconds: " + json.dumps(SMOKE))
     p.add_argument("--model-size", choices=list(SHAPES), help="default: tiny CPU, 0.5b GPU")
     p.add_argument("--task", choices=list(train.TASKS), help="default: addition CPU, sums GPU")
