@@ -28,8 +28,10 @@ import queue
 import random
 import re
 import socket
+import tempfile
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -558,19 +560,20 @@ class Client(AbortsOnError):
         self.last_update = {"send_s": send_s, **result}
         return result["version"]
 
-    def update_adapter(self, model, mode="drain", version=0):
+    def update_adapter(self, model, mode="drain", version=0, via=None):
         """Push a peft model's active LoRA adapter into a server started with --enable-lora, as
-        PEFT saves it (adapter_config.json, adapter_model.safetensors) in the request's body; return
-        the new version. It needs no weight sync: any trainer that reaches the server over HTTP."""
-        # Why the body, not the weight transports: vLLM loads adapters from a folder only, so the
-        # workers would write what they received to one anyway, and an adapter is megabytes, where
-        # an update's fixed cost (the announcing call, collective_rpc, the load) outweighs bytes.
-        # bench/lora.py (docs/results.md), CPU, tiny model: 12 ms a push in the body, add_lora
-        # included, against ~25 ms estimated through gloo without it. And it needs no weight group:
-        # any trainer that reaches the server over HTTP can push.
+        PEFT saves it (adapter_config.json, adapter_model.safetensors); return the new version.
+        `via`: "file" (in /dev/shm, for a server on this host) or "body" (any server)."""
+        # Why not the weight transports: vLLM loads adapters from a folder only, so the workers
+        # would write what they received to one anyway, and an adapter is megabytes, where an
+        # update's fixed cost (the announcing call, collective_rpc, the load) outweighs bytes.
+        # A file in shared memory skips the body's base64 and JSON, which on a GPU cost more than
+        # vLLM's add_lora (bench/lora.py, docs/results.md); the body needs only HTTP.
         from peft import get_peft_model_state_dict
-        from safetensors.torch import save
+        from safetensors.torch import save, save_file
 
+        start = time.perf_counter()
+        via = via or self.adapter_way()
         # a set in the config (target_modules) is a list in JSON
         config = model.peft_config[model.active_adapter].to_dict()
         config = json.loads(json.dumps(config, default=sorted))
@@ -578,11 +581,30 @@ class Client(AbortsOnError):
         # would cast to anyway); safetensors' save copies GPU tensors to the CPU itself
         self.dtype = self.dtype or getattr(torch, self.health()["dtype"])
         state = {k: t.detach().to(self.dtype) for k, t in get_peft_model_state_dict(model).items()}
-        tensors = to_base64(save(state))
-        body = {"adapter_config": config, "adapter_model": tensors}
-        body |= {"mode": mode, "version": version}
-        self.last_update = self._request("POST", "/update_adapter", body)
+        body = {"adapter_config": config, "mode": mode, "version": version}
+        if via == "file":
+            # the server moves the file into its adapter's folder
+            fd, body["adapter_file"] = tempfile.mkstemp(".safetensors", "adapter-", "/dev/shm")
+            os.close(fd)
+            save_file(state, body["adapter_file"])
+        else:
+            body["adapter_model"] = to_base64(save(state))
+        encode_s = time.perf_counter() - start
+        try:
+            self.last_update = self._request("POST", "/update_adapter", body)
+        finally:
+            # refused, or never sent: the file is still ours
+            if via == "file" and os.path.exists(body["adapter_file"]):
+                os.remove(body["adapter_file"])
+        self.last_update["encode_s"] = encode_s
         return self.last_update["version"]
+
+    def adapter_way(self):
+        """update_adapter's default `via`: "file" for a server on this host's loopback, where
+        /dev/shm exists, else "body"."""
+        host = urllib.parse.urlsplit(self.base_url).hostname
+        local = host in ("127.0.0.1", "localhost", "::1")
+        return "file" if local and os.path.isdir("/dev/shm") else "body"
 
     def _send_buckets(self, buckets):
         """Broadcast the buckets (nccl/gloo), packing each next one while the last one travels."""

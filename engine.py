@@ -297,10 +297,10 @@ class Engine:
         async with self.new_version:
             self.new_version.notify_all()
 
-    async def update_adapter(self, config, weights, mode, drain_timeout, timeout, version=0):
-        """Serve a LoRA adapter (PEFT's adapter_config.json and adapter_model.safetensors) as the
-        next version, or `version` if higher; returns it. A ValueError or TimeoutError changes
-        nothing (docs/internals.md#engineupdate_adapter)."""
+    async def update_adapter(self, config, tensors, mode, drain_timeout, timeout, version=0):
+        """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes or
+        a path to move it from) as the next version, or `version` if higher; returns it. A
+        ValueError or TimeoutError changes nothing (docs/internals.md#engineupdate_adapter)."""
         # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
         # ids in an int32 tensor): one more than the last
         self.lora_ids += 1
@@ -308,7 +308,10 @@ class Engine:
         folder = os.path.join(self.lora_dir.name, str(lora_id))
         os.makedirs(folder)
         Path(folder, "adapter_config.json").write_text(json.dumps(config))
-        Path(folder, "adapter_model.safetensors").write_bytes(weights)
+        if isinstance(tensors, bytes):
+            Path(folder, "adapter_model.safetensors").write_bytes(tensors)
+        else:
+            shutil.move(tensors, Path(folder, "adapter_model.safetensors"))
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)

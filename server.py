@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
+from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -659,35 +660,62 @@ async def update_adapter(request):
     config = checked_field(body, "adapter_config", dict)
     mode, version = update_mode(body)
     refused = f"adapter refused, version {request.app[ENGINE].version} kept"
+    start = time.perf_counter()
     try:
-        weights = from_base64(checked_field(body, "adapter_model", str))
-        check_adapter(config, load_safetensors(weights), state)
+        # the adapter's safetensors file: a path in /dev/shm on this host (the server takes the
+        # file over), or its bytes in the body
+        if "adapter_file" in body:
+            tensors = shared_file(checked_field(body, "adapter_file", str))
+            shapes = safetensors_shapes(tensors)
+        else:
+            tensors = from_base64(checked_field(body, "adapter_model", str))
+            shapes = {name: t.shape for name, t in load_safetensors(tensors).items()}
+        check_adapter(config, shapes, state)
     # binascii's, safetensors' or check_adapter's
     except Exception as e:
         raise ApiError(f"{refused}: {e}") from None
+    read_s = time.perf_counter() - start
     # the drain's and the load's
     limits = state.flags.drain_timeout, state.flags.weight_sync_timeout
     try:
-        version = await request.app[ENGINE].update_adapter(config, weights, mode, *limits, version)
+        version = await request.app[ENGINE].update_adapter(config, tensors, mode, *limits, version)
     except (TimeoutError, ValueError) as e:
         raise ApiError(f"{refused}: {e}", 503 if isinstance(e, TimeoutError) else 400) from None
-    return web.json_response({"version": version})
+    load_s = time.perf_counter() - start - read_s
+    return web.json_response({"version": version, "read_s": read_s, "load_s": load_s})
 
 
-def check_adapter(config, tensors, state):
+def shared_file(path):
+    """`path` if it is a .safetensors file in /dev/shm, else a ValueError: the one place a
+    client may hand the server a file."""
+    real = os.path.realpath(path)
+    if not (
+        real.startswith("/dev/shm/") and real.endswith(".safetensors") and os.path.isfile(real)
+    ):
+        raise ValueError(f"'adapter_file' must be a .safetensors file in /dev/shm here: {path!r}")
+    return real
+
+
+def safetensors_shapes(path):
+    """{name: shape} of a safetensors file, read from its header alone."""
+    with safe_open(path, "pt") as f:
+        # a safe_open object is no mapping: keys() is its list of names
+        names = f.keys()
+        return {name: f.get_slice(name).get_shape() for name in names}
+
+
+def check_adapter(config, shapes, state):
     """A ValueError unless each lora_A of the adapter is of shape (r, in) and each lora_B (out, r),
     as their layer's weight is (out, in): vLLM loads wrong shapes without a word, and checks the
     rest itself (Engine.update_adapter)."""
     rank = config.get("r")
-    for name, tensor in tensors.items():
+    for name, shape in shapes.items():
         layer, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
         out, inputs = state.weight_spec.get(f"{layer}.weight", (None, None))
         # another kind (lora_embedding_A, ...): vLLM refuses what it does not take
-        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(
-            kind, list(tensor.shape)
-        )
-        if list(tensor.shape) != expected:
-            raise ValueError(f"'{name}' has shape {list(tensor.shape)}; the model takes {expected}")
+        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(kind, list(shape))
+        if list(shape) != expected:
+            raise ValueError(f"'{name}' has shape {list(shape)}; the model takes {expected}")
 
 
 async def close_communicator(request):

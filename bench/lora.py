@@ -5,18 +5,20 @@
     python3 bench/lora.py --device cuda --model-size 0.5b      # one GPU: Qwen2.5-0.5B's shape
 
 1. push: Client.update_model_params of the model in full (over gloo on the CPU, CUDA IPC on the
-   server's GPU) against the same model's LoRA adapter of --rank on every projection (its files
-   in the request's body, Client.update_adapter): wall seconds per push, median (min-max) of
-   --rounds after one warm-up, the bytes each sends, and their ratio.
-2. transfer: the adapter's way (in the body, measured end to end: HTTP, the folder written to
-   /dev/shm, vLLM's add_lora, the version bumped) against an estimate of the other way, the
-   adapter's tensors through the weight transport into the workers, which write the folder: the
-   full push's time (its HTTP, collective_rpc, receive and load) less its bytes' broadcast, plus
-   the adapter's bytes' broadcast (raw, between two processes) and the folder's writing; its
-   add_lora is not counted.
+   server's GPU) against the same model's LoRA adapter of --rank on every projection
+   (Client.update_adapter, its tensors in a file in /dev/shm and in the request's body): wall
+   seconds per push, median (min-max) of --rounds after one warm-up, the bytes each sends, their
+   ratio, and the adapter's parts (medians): the client's encoding, the server's reading and
+   checking, its load (vLLM's add_lora and the version bumped) and the rest (HTTP).
+2. transfer: the adapter's two ways end to end, against an estimate of a third, its tensors
+   through the weight transport into the workers, which write the folder: the full push's time
+   (its HTTP, collective_rpc, receive and load) less its bytes' broadcast, plus the adapter's
+   bytes' broadcast (raw, between two processes) and the folder's writing; its add_lora is not
+   counted.
 3. GRPO step: train.train for --steps steps of the addition task with every weight trained and
    pushed, then with a LoRA adapter (--lora-rank): seconds per step, median (min-max) of all
-   steps but the first, with their train and sync parts.
+   steps but the first, with their train and sync parts; and step 0's mismatch (the trainer's
+   logprobs of every sampled token against the server's), the exactness of each side.
 The base model is train.py's built-in one of --model-size, warm-started on the addition task
 (--warm-start-steps) so that rewards differ inside groups and both sides train; no step ratio is
 printed where a side skipped its training (bench/runs.py). A full push to a server started with
@@ -74,15 +76,34 @@ def spread(times, unit=1e3, digits=1):
     return f"{statistics.median(t):.{digits}f} ({t[0]:.{digits}f}-{t[-1]:.{digits}f})"
 
 
-def push_seconds(client, model, rounds):
-    """Wall seconds of each of `rounds` update_model_params(model), after one warm-up."""
-    client.update_model_params(model)
+def push_seconds(push, rounds):
+    """Wall seconds of each of `rounds` calls of push(), after one warm-up."""
+    push()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        client.update_model_params(model)
+        push()
         times.append(time.perf_counter() - start)
     return times
+
+
+def adapter_pushes(client, peft, rounds, via):
+    """Wall seconds of each adapter push `via` a file or the body, and the medians of its parts:
+    the client's encoding, the server's reading and checking, its load, and the rest (HTTP)."""
+    parts = {"encode_s": [], "read_s": [], "load_s": [], "http_s": []}
+
+    def push():
+        start = time.perf_counter()
+        client.update_adapter(peft, via=via)
+        wall = time.perf_counter() - start
+        update = client.last_update
+        for part in ("encode_s", "read_s", "load_s"):
+            parts[part].append(update[part])
+        parts["http_s"].append(wall - update["encode_s"] - update["read_s"] - update["load_s"])
+
+    times = push_seconds(push, rounds)
+    shown = "  ".join(f"{p[:-2]} {statistics.median(t[1:]) * 1e3:.1f}" for p, t in parts.items())
+    return times, shown
 
 
 def folder_write_seconds(adapter, rounds):
@@ -100,7 +121,7 @@ def on_gpu(a):
 
 
 def step_seconds(client, base, a, out, lora_rank):
-    """The GRPO steps' seconds (all but the first), and their train and sync parts."""
+    """train.train's metrics of each GRPO step."""
     cfg = train.Config(
         model=base,
         lora_rank=lora_rank,
@@ -114,7 +135,7 @@ def step_seconds(client, base, a, out, lora_rank):
         bf16=on_gpu(a),
         out=out,
     )
-    return train.train(cfg, client)[1:]
+    return train.train(cfg, client)
 
 
 def push_figures(client, base, a):
@@ -126,13 +147,17 @@ def push_figures(client, base, a):
     adapter_bytes = sum(t.nbytes for t in adapter.values())
     full_bytes = sum(p.nbytes for p in full.parameters())
     client.init_communicator(device=a.device)
-    full_push = push_seconds(client, full, a.rounds)
-    adapter_push = push_seconds(client, peft, a.rounds)
+    full_push = push_seconds(lambda: client.update_model_params(full), a.rounds)
+    ways = {via: adapter_pushes(client, peft, a.rounds, via) for via in ("file", "body")}
+    adapter_push = ways["file"][0]
     print(f"model {a.model_size}, LoRA rank {a.rank} on {','.join(TARGETS)}, {a.device}")
     print(f"push, ms       full {spread(full_push)}  {full_bytes / 1e6:.2f} MB", client.transport)
-    print(f"               LoRA {spread(adapter_push)}  {adapter_bytes / 1e6:.2f} MB in the body")
+    for via, (times, parts) in ways.items():
+        print(f"               LoRA {spread(times)}  {adapter_bytes / 1e6:.2f} MB via {via}")
+        print(f"                    its parts: {parts}")
     times = statistics.median(full_push) / statistics.median(adapter_push)
-    print(f"               full / LoRA: {times:.1f}x the time, {full_bytes / adapter_bytes:.0f}x")
+    size = full_bytes / adapter_bytes
+    print(f"               full / LoRA via file: {times:.1f}x the time, {size:.0f}x the bytes")
     transport = client.transport
     client.close_communicator()
     # the other way: a full push's machinery (HTTP, collective_rpc, receive, load) carrying the
@@ -146,8 +171,9 @@ def push_figures(client, base, a):
         sent_adapter = raw_broadcast_seconds(adapter_bytes, a.rounds, device, device) * 1e3
     write = statistics.median(folder_write_seconds(adapter, a.rounds)) * 1e3
     other = statistics.median(full_push) * 1e3 - sent_full + sent_adapter + write
-    body = statistics.median(adapter_push) * 1e3
-    print(f"transfer, ms   in the body, end to end (add_lora included): {body:.1f}")
+    ms = {via: statistics.median(times) * 1e3 for via, (times, _) in ways.items()}
+    ways_ms = f"via file {ms['file']:.1f}, in the body {ms['body']:.1f}"
+    print(f"transfer, ms   end to end, add_lora included: {ways_ms}")
     print(
         f"               through {transport}, estimated {other:.1f} (add_lora not included) = "
         f"the full push {statistics.median(full_push) * 1e3:.1f} - its bytes {sent_full:.1f} + "
@@ -164,11 +190,15 @@ def step_figures(client, base, a, work):
         client.update_model_params(AutoModelForCausalLM.from_pretrained(base).to(a.device))
         client.close_communicator()
         runs[name] = step_seconds(client, base, a, os.path.join(work, name), rank)
+        # all steps but the first
         steps[name] = {
-            part: [r[part] for r in runs[name]] for part in ("step_s", "train_s", "sync_s")
+            part: [r[part] for r in runs[name][1:]] for part in ("step_s", "train_s", "sync_s")
         }
         shown = "  ".join(f"{part} {spread(t, 1, 3)}" for part, t in steps[name].items())
         print(f"GRPO step, s   {name:<4} {shown}")
+        # exactness: the trainer's logprobs of every token sampled at step 0 against the server's
+        mean, worst = runs[name][0]["mismatch_mean"], runs[name][0]["mismatch_max"]
+        print(f"               step 0's mismatch: mean {mean:.2e}, max {worst:.2e}")
     # no ratio of steps that skipped their training
     refuse_hollow(runs)
     times = statistics.median(steps["full"]["step_s"]) / statistics.median(steps["LoRA"]["step_s"])

@@ -7,6 +7,7 @@ Run: .venv/bin/python -m pytest tests/test_lora.py
 """
 
 import json
+import os
 import time
 
 import pytest
@@ -123,6 +124,7 @@ def tamper(model, kind):
     return model
 
 
+@pytest.mark.parametrize("via", ["file", "body"])
 @pytest.mark.parametrize(
     "rank, targets, kind, word",
     [
@@ -132,16 +134,40 @@ def tamper(model, kind):
     ],
 )
 def test_a_wrong_adapter_is_refused_with_a_400_and_changes_nothing(
-    lora_server, model_path, rank, targets, kind, word
+    lora_server, model_path, rank, targets, kind, word, via
 ):
     before = lora_server.health()["version"]
     served = greedy(lora_server).token_ids
+    shm = set(os.listdir("/dev/shm"))
     model = tamper(peft_model(model_path, seed=5, rank=rank, targets=targets), kind)
     with pytest.raises(ServerError) as e:
-        lora_server.update_model_params(model)
+        lora_server.update_adapter(model, via=via)
     assert e.value.status == 400 and word in e.value.message
     assert lora_server.health()["version"] == before
     assert greedy(lora_server).token_ids == served
+    # the refused file is gone: nothing left behind in shared memory
+    assert not [f for f in set(os.listdir("/dev/shm")) - shm if f.startswith("adapter-")]
+
+
+def test_an_adapter_pushed_in_the_body_serves_as_the_same_one_in_a_file(lora_server, model_path):
+    """The two ways of Client.update_adapter: a file in /dev/shm (a server on this host) and the
+    request's body (any server) serve the same adapter's tokens and logprobs."""
+    model = peft_model(model_path, seed=6)
+    served = {}
+    for via in ("file", "body"):
+        lora_server.update_adapter(model, via=via)
+        served[via] = greedy(lora_server)
+    assert served["file"].token_ids == served["body"].token_ids
+    assert served["file"].logprobs == served["body"].logprobs
+    assert served["body"].version == served["file"].version + 1
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname", "/dev/shm/none.safetensors", "/dev/shm/../etc"])
+def test_an_adapter_file_outside_shared_memory_is_a_400(lora_server, path):
+    body = {"adapter_config": {"r": 8, "target_modules": TARGETS}, "adapter_file": path}
+    answer = requests.post(lora_server.base_url + "/update_adapter", json=body, timeout=30)
+    assert answer.status_code == 400 and "/dev/shm" in answer.json()["error"]
+    assert os.path.exists("/etc/hostname")
 
 
 def test_an_adapter_body_that_is_no_safetensors_file_is_a_400(lora_server):
