@@ -208,7 +208,7 @@ def lora_run(model_path, out, **options):
 def test_eval_only_pushes_an_adapter_without_setting_up_weight_sync(
     lora_server, model_path, tmp_path, monkeypatch
 ):
-    """--eval-only --lora-rank against a --server-url: the adapter goes in the HTTP body. The one
+    """--eval-only --lora-rank against a --server-url: the adapter goes to /update_adapter. The one
     stand-in here: init_communicator replaced by a call that fails, to show it is never made."""
     cfg = lora_run(model_path, tmp_path, eval_only=True, server_url=lora_server.base_url)
     monkeypatch.setattr(lora_server, "init_communicator", None)
