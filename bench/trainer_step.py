@@ -8,7 +8,7 @@ recipe, on the same sequences and weights, alone and (--beside-server) beside an
     # CPU: the tiny model
     .venv/bin/python bench/trainer_step.py
 
-The sequences: prompts of train.sums_data, each with 8 completions of its worked solution cut to
+The sequences: prompts of tasks.sums_data, each with 8 completions of its worked solution cut to
 0.7-1.3 times its length (one in 20 at --max-tokens, as completions that run to the limit), so
 lengths vary as in the sums workload. The weights: train.py's built-in model of --model-size,
 untrained (the speed does not depend on them). Both sides in fp32 with bf16 autocast on a GPU,
@@ -44,6 +44,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+import tasks  # noqa: E402
 import train  # noqa: E402
 from local import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
 
@@ -70,7 +71,7 @@ def sequences(tok, n, max_tokens, seed=0):
     """(prompts, completions): token ids of n sums-shaped samples, 8 per prompt."""
     rng = random.Random(seed)
     prompts, completions = [], []
-    for row in train.sums_data(n // 8, seed):
+    for row in tasks.sums_data(n // 8, seed):
         prompt, solution = tok(row["prompt"]).input_ids, tok(row["solution"]).input_ids
         for _ in range(8):
             length = round(len(solution) * rng.uniform(0.7, 1.3))

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plot
+import tasks
 import train
 from conftest import needs_cuda, needs_two_gpus
 from local import save_model
@@ -240,29 +241,29 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
 
 
 def test_reward_reads_the_last_number():
-    assert train.reward("7", "7") == 1.0 and train.reward("so 3+4 = 7", "7") == 1.0
+    assert tasks.reward("7", "7") == 1.0 and tasks.reward("so 3+4 = 7", "7") == 1.0
     assert (
-        train.reward("8", "7") == 0.0
-        and train.reward("", "7") == 0.0
-        and train.reward("7.5", "7") == 0.0
+        tasks.reward("8", "7") == 0.0
+        and tasks.reward("", "7") == 0.0
+        and tasks.reward("7.5", "7") == 0.0
     )
-    partial = [train.addition_reward(x, {"answer": "7"}) for x in ("7", "8", "5", "10", "")]
+    partial = [tasks.addition_reward(x, {"answer": "7"}) for x in ("7", "8", "5", "10", "")]
     assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
 def test_the_sums_reward_scores_each_running_total_by_how_close_it_is():
     row = {"prompt": "Sum 12 7 30:", "answer": "49", "totals": [19, 49]}
-    assert train.sums_reward(" 12+7=19 19+30=49", row) == 1.0
+    assert tasks.sums_reward(" 12+7=19 19+30=49", row) == 1.0
     # the second total 5 off
-    assert train.sums_reward(" 12+7=19 19+30=54", row) == pytest.approx((1 + (1 - 5 / 49)) / 2)
+    assert tasks.sums_reward(" 12+7=19 19+30=54", row) == pytest.approx((1 + (1 - 5 / 49)) / 2)
     # a total not written scores 0, one off by its own value or more too
-    assert train.sums_reward(" 12+7=19", row) == 0.5
-    assert train.sums_reward(" 12+7=38 38+30=98", row) == 0.0
-    assert train.sums_reward("", row) == 0.0
+    assert tasks.sums_reward(" 12+7=19", row) == 0.5
+    assert tasks.sums_reward(" 12+7=38 38+30=98", row) == 0.0
+    assert tasks.sums_reward("", row) == 0.0
 
 
 def test_sums_prompts_take_from_1_to_15_steps_so_completion_lengths_vary():
-    rows = train.sums_data(1000, seed=0)
+    rows = tasks.sums_data(1000, seed=0)
     steps = {len(r["totals"]) for r in rows}
     assert steps == set(range(1, 16))
     # every solution's last total is the answer, and the reward that grades it reads it back
@@ -633,7 +634,7 @@ def default_sigint():
 INTERRUPTING = '''
 import os, signal
 
-import train
+import tasks
 
 
 def interrupting(completion, row):
@@ -646,7 +647,7 @@ def interrupting(completion, row):
             with open(os.path.join(OUT, "plot-before.txt"), "w") as marker:
                 marker.write(str(os.stat(plot).st_mtime_ns) if os.path.exists(plot) else "none")
             os.kill(os.getpid(), signal.SIGINT)
-    return train.addition_reward(completion, row)
+    return tasks.addition_reward(completion, row)
 '''
 
 
@@ -941,7 +942,7 @@ def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_line(tmp_path
     rows += [{"prompt": "b", "answer": ""}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as refused:
-        train.read_dataset(str(data), train.answer_reward)
+        train.read_dataset(str(data), tasks.answer_reward)
     assert 'line 2: ValueError: "answer" is null' in str(refused.value)
     assert 'line 3: ValueError: "answer" is ""' in str(refused.value)
 
