@@ -126,6 +126,7 @@ class Config:
     pass_k: str = flag("", "k of pass@k and maj@k: 1,4,10 (default: 1, 2, 4, ... <= --eval-n)")
     # logging
     wandb: str = flag("", "W&B project to log to as well (needs wandb installed)")
+    peak_tflops: float = flag(0.0, "a GPU's dense bf16 TFLOP/s, for MFU (0: PEAK_TFLOPS)")
 
     def __post_init__(self):
         for f in fields(self):
@@ -419,7 +420,7 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
     tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
-    stats = {"tokens": 0, "loss": 0.0, "gen": [], "train": [], "sync": []}
+    stats = {"tokens": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
     reward_fn = reward_function(cfg)
@@ -437,11 +438,12 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             rewards = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
-            tokens, is_weights, deltas, loss = policy.backward(
+            tokens, is_weights, deltas, loss, flops = policy.backward(
                 seqs, advantages, version, tok.pad_token_id, measure_all
             )
             stats["tokens"] += tokens
             stats["loss"] += loss
+            stats["flops"] += flops
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
             tensors["staleness"].append(torch.tensor(lags))
@@ -665,7 +667,8 @@ class Policy:
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, skip=True):
     """Accumulate the policy gradient of `seqs` on our weights `version`, --train-micro-batch
     sequences per forward. Returns the completion tokens, the stale tokens' importance weights,
-    the trainer-minus-server logprobs and the summed loss (docs/training.md)."""
+    the trainer-minus-server logprobs, the summed loss and chunk_backward's FLOPs
+    (docs/training.md)."""
     # every completion token counts in the step's divisor: the skipped samples' below too
     tokens = sum(sum(seq.mask[1:]) for seq in seqs)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
@@ -676,6 +679,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, s
     trained = (advantages != 0) | (not skip)
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
     loss = 0.0
+    flops = torch.zeros(2, dtype=torch.float64)
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
@@ -686,19 +690,21 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, s
         size = cfg.train_micro_batch or max(len(part), 1)
         for i in range(0, len(part), size):
             chunk = slice(i, i + size)
-            w, d, chunk_loss = chunk_backward(
+            w, d, chunk_loss, chunk_flops = chunk_backward(
                 model, part[chunk], advantages[index][chunk], version, cfg, pad_id, grad
             )
             weights.append(w)
             deltas.append(d)
             loss += chunk_loss
-    return tokens, torch.cat(weights), torch.cat(deltas), loss
+            flops += chunk_flops
+    return tokens, torch.cat(weights), torch.cat(deltas), loss, flops
 
 
 def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
     whole step is in). Returns the stale tokens' importance weights, the trainer minus server
-    logprobs of the tokens the current weights sampled, and the loss."""
+    logprobs of the tokens the current weights sampled, the loss, and the FLOPs computed (padding
+    included) and useful (the sequences' own)."""
     ids = [seq.ids for seq in seqs]
     masks = [seq.mask for seq in seqs]
     old_logprobs = [seq.logprobs for seq in seqs]
@@ -713,7 +719,14 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap)
     if grad:
         loss.backward()
-    return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled], loss.item()
+    lengths = [len(seq.ids) for seq in seqs]
+    recompute = grad and model.is_gradient_checkpointing
+    flops = [
+        train_flops(model, shape, int(sampled.sum()), grad, recompute)
+        for shape in ([max(lengths)] * len(lengths), lengths)
+    ]
+    deltas = (logprobs.detach() - old)[~stale & sampled]
+    return w[stale & sampled], deltas, loss.item(), torch.tensor(flops, dtype=torch.float64)
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -793,8 +806,7 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
 def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
-    """One row of metrics.jsonl, the overlap measured where it happens: gen_s on the server (first
-    start to last finish of its requests), train_s and sync_s here, idle_s waiting for samples."""
+    """One row of metrics.jsonl; its times and speed: docs/training.md, "A step's time"."""
     gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
     train_s = sum(b - a for a, b in stats["train"])
     sync_s = stats["sync"][0][1] - stats["sync"][0][0]
@@ -828,6 +840,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
+        **speed_metrics(stats["flops"], train_s, cfg),
         "staleness": stats["staleness"].float().mean().item(),
         "staleness_max": int(stats["staleness"].max()),
         "is_weight_mean": w.mean().item(),
@@ -842,6 +855,41 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
+
+
+# dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
+PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "A100": 312}
+
+
+def speed_metrics(flops, train_s, cfg):
+    """The training phase's TFLOP/s, computed (padding included) and useful, and its MFU: the
+    computed ones' share of the devices' peak (--peak-tflops, else PEAK_TFLOPS's; None on a CPU)."""
+    computed, useful = (flops / max(train_s, 1e-9) / 1e12).tolist()
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    peak = cfg.peak_tflops
+    if not peak and cfg.device.startswith("cuda"):
+        name = torch.cuda.get_device_name(cfg.device)
+        peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), 0)
+    mfu = computed / (peak * ranks) if peak else None
+    return {"tflops": computed, "tflops_useful": useful, "mfu": mfu}
+
+
+def train_flops(model, lengths, head_tokens, grad=True, recompute=False):
+    """The matmul FLOPs of a forward (with `grad` and backward; with `recompute` a second forward)
+    of sequences of `lengths` tokens, the output layer at `head_tokens` positions."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # the decoder's matmuls: every 2-D weight but the embeddings (the output layer counts below)
+    embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    n = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+    # PaLM's count (appendix B) per token of a sequence of length T and per pass: 2 FLOPs a
+    # parameter, 4 * layers * heads * head_dim * T for attention (scores, their sum of values); a
+    # forward is 1 pass, backward 2 (6N + 12LHQT for training), a recomputed forward 1 (x 4/3); the
+    # output layer, 2 * hidden * vocab a token, is always recomputed (token_logprobs)
+    attention = 4 * config.num_hidden_layers * heads * head_dim
+    decoder = sum(T * (2 * n + attention * T) for T in lengths) * (1 + (2 + recompute) * grad)
+    return decoder + 2 * config.hidden_size * config.vocab_size * head_tokens * (1 + 3 * grad)
 
 
 def mismatch_metrics(deltas):
@@ -873,9 +921,11 @@ def warn_mismatch(row, cfg):
 
 
 def show_progress(bar, row):
-    """The step's reward, accuracy and seconds on the bar, or where it is off (stderr is no
-    terminal) in a line."""
-    progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s")}
+    """The step's reward, accuracy, seconds and TFLOP/s (MFU where the peak is known) on the bar,
+    or where it is off (stderr is no terminal) in a line."""
+    progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s", "tflops")}
+    if row["mfu"] is not None:
+        progress["mfu"] = f"{row['mfu']:.3f}"
     bar.set_postfix(progress)
     if bar.disable:
         print(f"step {row['step']}: " + " ".join(f"{k} {v}" for k, v in progress.items()))
@@ -1374,7 +1424,7 @@ class ShardedPolicy(Policy):
         rank = dist.get_rank()
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
         share = slice(rank * len(seqs) // self.ranks, (rank + 1) * len(seqs) // self.ranks)
-        _, weights, deltas, loss = backward(
+        _, weights, deltas, loss, flops = backward(
             self.model,
             seqs[share],
             advantages[share],
@@ -1386,10 +1436,10 @@ class ShardedPolicy(Policy):
         )
         # the statistics of every rank's share
         shares = [None] * self.ranks
-        dist.all_gather_object(shares, (weights, deltas, loss))
-        weights, deltas, losses = zip(*shares)
+        dist.all_gather_object(shares, (weights, deltas, loss, flops))
+        weights, deltas, losses, flops = zip(*shares)
         tokens = sum(sum(seq.mask[1:]) for seq in seqs)
-        return tokens, torch.cat(weights), torch.cat(deltas), sum(losses)
+        return tokens, torch.cat(weights), torch.cat(deltas), sum(losses), sum(flops)
 
     def step(self, stats):
         lead("step", {"tokens": stats["tokens"], "train": []})

@@ -26,7 +26,10 @@ First the two gradients are compared (more than 5% apart: exit 1). Printed: each
 milliseconds per micro-batch, median (min-max) of --rounds after two warm-up rounds, the sides
 alternating, each first in turn (with --vary, other sequences each round, so that each meets new
 lengths as a run does); then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster), and
-`ours_vs_trl_own=` against TRL's own. With --profile, one more round of each under torch.profiler:
+`ours_vs_trl_own=` against TRL's own; and train.py's speed, medians of the rounds: `tflops=`
+(the FLOPs computed, padding included, train.train_flops), `tflops_useful=` (the sequences' own)
+and `mfu=` (tflops over --peak-tflops, else train.PEAK_TFLOPS's by the GPU's name; None on a
+CPU). With --profile, one more round of each under torch.profiler:
 CPU and GPU time, kernel launches, the costliest operators on the CPU and on the GPU.
 """
 
@@ -58,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per side")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
     p.add_argument("--beside-server", action="store_true", help="a server.py on the model first")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: by GPU name)")
     p.add_argument(
         "--vary", action="store_true", help="new sequences every round, as in a run: new lengths"
     )
@@ -91,7 +95,8 @@ def ours(model, cfg, prompts, completions, advantages, pad_id):
         )
         for p, c in zip(prompts, completions)
     ]
-    train.backward(model, seqs, advantages, 0, cfg, pad_id)
+    # the FLOPs computed and useful
+    return train.backward(model, seqs, advantages, 0, cfg, pad_id)[4]
 
 
 def trl_batch(model, prompts, completions, pad_id):
@@ -145,9 +150,9 @@ def timed_ms(side, *args, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     sync()
     start = time.perf_counter()
-    side(*args)
+    out = side(*args)
     sync()
-    return (time.perf_counter() - start) * 1000
+    return (time.perf_counter() - start) * 1000, out
 
 
 def check_same_gradient(model, sides, args, tolerance=0.05):
@@ -170,10 +175,13 @@ def check_same_gradient(model, sides, args, tolerance=0.05):
 
 
 def measure(a, path, size, device):
-    """{side: [ms per micro-batch of each measured round]}, the sides alternating."""
+    """{side: [ms per micro-batch of each measured round]}, the sides alternating, and train.py's
+    speed_metrics of each round."""
     tok = AutoTokenizer.from_pretrained(path)
     model = train.load_model(path, a.device)
-    cfg = train.Config(model=path, device=a.device, bf16=device.type == "cuda")
+    cfg = train.Config(
+        model=path, device=a.device, bf16=device.type == "cuda", peak_tflops=a.peak_tflops
+    )
     if not a.no_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
@@ -194,6 +202,7 @@ def measure(a, path, size, device):
     args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
     check_same_gradient(model, sides, args)
     times = {name: [] for name in sides}
+    speeds = []
     for i in range(a.rounds + 2):
         if a.vary:
             prompts, completions = sequences(tok, a.seqs, a.max_tokens, seed=i + 1)
@@ -202,14 +211,16 @@ def measure(a, path, size, device):
         # allocations, and always the same side there would put the cost of it on that side
         names = list(sides)[i % len(sides) :] + list(sides)[: i % len(sides)]
         for name in names:
-            ms = timed_ms(sides[name], *args, device=device)
+            ms, flops = timed_ms(sides[name], *args, device=device)
             model.zero_grad(set_to_none=True)
             if i >= 2:
                 times[name].append(ms)
+            if i >= 2 and name == "train.py":
+                speeds.append(train.speed_metrics(flops, ms / 1000, cfg))
     if a.profile:
         for name, side in sides.items():
             profile(name, side, args, device)
-    return times
+    return times, speeds
 
 
 def profile(name, side, args, device):
@@ -252,7 +263,7 @@ def main(argv=None):
         client.generate(["Sum 1 2:"], n=8, max_tokens=16)
         print("a server.py on the model, idle from now on", flush=True)
     try:
-        times = measure(a, path, size, device)
+        times, speeds = measure(a, path, size, device)
     finally:
         if server:
             stop_server(server)
@@ -263,6 +274,9 @@ def main(argv=None):
     if "TRL's own" in times:
         ratio = statistics.median(times["TRL's own"]) / statistics.median(times["train.py"])
         print(f"ours_vs_trl_own={ratio:.3f}")
+    for key in ("tflops", "tflops_useful", "mfu"):
+        values = [speed[key] for speed in speeds]
+        print(f"{key}={statistics.median(values):.4g}" if None not in values else f"{key}=None")
 
 
 if __name__ == "__main__":

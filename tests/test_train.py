@@ -138,7 +138,7 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, _, _, _ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
+    tokens, *_ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
@@ -187,6 +187,34 @@ def test_groups_with_equal_rewards_get_no_forward_and_leave_the_gradient_unchang
     every_sample = step_gradient(model, prompts, completions, advantages, micro_batches=1)
     assert sum(forwarded) == 4
     assert every_sample.abs().max() > 0 and torch.allclose(skipping, every_sample, atol=1e-7)
+
+
+def test_train_flops_count_the_tiny_models_matmuls_as_counted_by_hand(model_path):
+    """6N + 12LHQT FLOPs a token for a forward and backward (PaLM's), N the decoder's matmul
+    parameters counted from the tiny model's config; x4/3 where the forward is recomputed; the
+    output layer (always recomputed) at the loss mask's tokens. backward's padded rows compute
+    more than the sequences' own tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    c = model.config
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    kv = c.num_key_value_heads * H // c.num_attention_heads
+    # per layer q and o (H x H), k and v (H x kv), gate, up and down (H x intermediate)
+    n = L * (2 * H * H + 2 * H * kv + 3 * H * c.intermediate_size)
+    assert n == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256)
+    decoder = sum(T * (6 * n + 12 * L * H * T) for T in (10, 7))
+    head = 2 * H * V * 5
+    assert train.train_flops(model, [10, 7], 5) == decoder + 4 * head
+    assert train.train_flops(model, [10, 7], 5, recompute=True) == decoder * 4 / 3 + 4 * head
+    assert train.train_flops(model, [10, 7], 5, grad=False) == decoder / 3 + head
+    prompts, completions, advantages = random_batch(4, seed=1)
+    seqs = seqs_of(prompts, completions)
+    tokens, _, _, _, flops = train.backward(model, seqs, advantages, 0, train.Config(model="m"), 1)
+    lengths = [len(seq.ids) for seq in seqs]
+    assert flops.tolist() == [
+        train.train_flops(model, [max(lengths)] * 4, tokens),
+        train.train_flops(model, lengths, tokens),
+    ]
+    assert flops[0] > flops[1]
 
 
 def test_mismatch_kl_estimates_the_kl_of_server_and_trainer_from_server_samples():
@@ -402,6 +430,8 @@ def test_train_py_trains_on_a_gpu(model_path, tmp_path, device):
     # trainer's: a GPU server's float32 kernels and the trainer's differ by ~3e-3
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert all(r["mismatch_max"] < 1e-2 for r in rows)
+    # an H200, H100 or A100 has its peak in train.PEAK_TFLOPS
+    assert all(0 < r["mfu"] < 1 for r in rows)
 
 
 @pytest.mark.gpu
@@ -703,6 +733,8 @@ def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
         assert row["truncated"] == 0 or row["completion_length_max"] == cfg.max_tokens
         # on-policy: no stale token, weight 1, none clipped
         assert (row["is_weight_mean"], row["is_weight_max"], row["is_clipped"]) == (1, 1, 0)
+        # the training phase's speed; no MFU on a CPU, whose peak is not known
+        assert 0 < row["tflops_useful"] <= row["tflops"] and row["mfu"] is None
     assert any(row["truncated"] > 0 for row in rows)
     # drawn after step 2, and again as the run stopped
     drawn_before = (out / "plot-before.txt").read_text()
@@ -724,7 +756,7 @@ def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
     # stdout is no terminal here: a line per step, no bar
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 5 and "reward" in lines[0] and "accuracy" in lines[0]
-    assert "step_s" in lines[0]
+    assert "step_s" in lines[0] and "tflops" in lines[0] and "mfu" not in lines[0]
 
 
 def test_on_a_terminal_one_bar_shows_reward_accuracy_and_seconds_per_step(
