@@ -21,7 +21,6 @@ import collections
 import contextlib
 import gc
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -31,7 +30,6 @@ import shlex
 import sys
 import time
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -61,6 +59,7 @@ from client import (
 )
 from local import SHAPES, TINY_MODEL_DIR, launch_server, save_model, stop_server, tiny_model
 from plot import RunLog
+from tasks import TASKS, answer_reward
 
 
 def flag(default, help, choices=None, at_least=None):
@@ -108,6 +107,7 @@ class Config:
     train_micro_batch: int = flag(0, "sequences per forward/backward (0: all)", at_least=0)
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
+    pack: bool = flag(False, "a forward's sequences in one row, no padding (block-diagonal mask)")
     # the schedule
     schedule: str = flag("overlap", "when the trainer gets samples", ["overlap", "sync-batch"])
     max_staleness: int = flag(0, "K: steps generated ahead, on weights K versions old", at_least=0)
@@ -127,6 +127,7 @@ class Config:
     pass_k: str = flag("", "k of pass@k and maj@k: 1,4,10 (default: 1, 2, 4, ... <= --eval-n)")
     # logging
     wandb: str = flag("", "W&B project to log to as well (needs wandb installed)")
+    peak_tflops: float = flag(0.0, "a GPU's dense bf16 TFLOP/s, for MFU (0: PEAK_TFLOPS)")
 
     def __post_init__(self):
         for f in fields(self):
@@ -420,7 +421,7 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
     tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
-    stats = {"tokens": 0, "loss": 0.0, "gen": [], "train": [], "sync": []}
+    stats = {"tokens": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
     reward_fn = reward_function(cfg)
@@ -438,11 +439,12 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             rewards = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(rewards).flatten()
-            tokens, is_weights, deltas, loss = policy.backward(
+            tokens, is_weights, deltas, loss, flops = policy.backward(
                 seqs, advantages, version, tok.pad_token_id, measure_all
             )
             stats["tokens"] += tokens
             stats["loss"] += loss
+            stats["flops"] += flops
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
             tensors["staleness"].append(torch.tensor(lags))
@@ -666,7 +668,8 @@ class Policy:
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, skip=True):
     """Accumulate the policy gradient of `seqs` on our weights `version`, --train-micro-batch
     sequences per forward. Returns the completion tokens, the stale tokens' importance weights,
-    the trainer-minus-server logprobs and the summed loss (docs/training.md)."""
+    the trainer-minus-server logprobs, the summed loss and chunk_backward's FLOPs
+    (docs/training.md)."""
     # every completion token counts in the step's divisor: the skipped samples' below too
     tokens = sum(sum(seq.mask[1:]) for seq in seqs)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
@@ -677,6 +680,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, s
     trained = (advantages != 0) | (not skip)
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
     loss = 0.0
+    flops = torch.zeros(2, dtype=torch.float64)
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
@@ -687,19 +691,21 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, s
         size = cfg.train_micro_batch or max(len(part), 1)
         for i in range(0, len(part), size):
             chunk = slice(i, i + size)
-            w, d, chunk_loss = chunk_backward(
+            w, d, chunk_loss, chunk_flops = chunk_backward(
                 model, part[chunk], advantages[index][chunk], version, cfg, pad_id, grad
             )
             weights.append(w)
             deltas.append(d)
             loss += chunk_loss
-    return tokens, torch.cat(weights), torch.cat(deltas), loss
+            flops += chunk_flops
+    return tokens, torch.cat(weights), torch.cat(deltas), loss, flops
 
 
 def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
     whole step is in). Returns the stale tokens' importance weights, the trainer minus server
-    logprobs of the tokens the current weights sampled, and the loss."""
+    logprobs of the tokens the current weights sampled, the loss, and the FLOPs computed (padding
+    included) and useful (the sequences' own)."""
     ids = [seq.ids for seq in seqs]
     masks = [seq.mask for seq in seqs]
     old_logprobs = [seq.logprobs for seq in seqs]
@@ -709,12 +715,21 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
     autocast = torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16)
     with autocast, torch.set_grad_enabled(grad):
-        logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
+        logprobs = token_logprobs(model, batch, cfg.temperature, packed=cfg.pack)  # (b, T-1)
     old, sampled = batch["old_logprobs"], batch["mask"] > 0
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap)
     if grad:
         loss.backward()
-    return w[stale & sampled], (logprobs.detach() - old)[~stale & sampled], loss.item()
+    lengths = [len(seq.ids) for seq in seqs]
+    recompute = grad and model.is_gradient_checkpointing
+    # packed, sdpa's attention still spans the whole row (a mask zeroes the blocks off its diagonal)
+    computed = [sum(lengths)] if cfg.pack else [max(lengths)] * len(lengths)
+    flops = [
+        train_flops(model, shape, int(sampled.sum()), grad, recompute)
+        for shape in (computed, lengths)
+    ]
+    deltas = (logprobs.detach() - old)[~stale & sampled]
+    return w[stale & sampled], deltas, loss.item(), torch.tensor(flops, dtype=torch.float64)
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -736,17 +751,13 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
     return batch
 
 
-def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
+def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048, packed=False):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
     set, 0 elsewhere; the output layer runs `chunk_tokens` positions at a time, recomputed in
-    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md)."""
+    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md);
+    `packed`: hidden_states' packed forward."""
     ids = batch["input_ids"].to(model.device)
-    attention = batch["attention"].to(model.device)
-    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
-    # position, the hidden states go through the output layer in chunks below
-    hidden = model(
-        input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
-    ).hidden_states[-1]
+    hidden = hidden_states(model, ids, batch["attention"].to(model.device), packed)
     # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
     keep = batch["mask"].to(model.device).flatten() > 0
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
@@ -767,6 +778,31 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     # each kept position's logprob in its place, 0 elsewhere
     logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
     return logprobs.view(len(ids), -1).cpu()
+
+
+def hidden_states(model, ids, attention, packed=False):
+    """(B, T, H): the last layer's hidden states of right-padded `ids`. `packed`: the sequences end
+    to end in one row without padding, positions restarting at each, which transformers' masking
+    reads as packed (attention block-diagonal); their states go back to the (B, T) layout."""
+    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
+    # position, the hidden states go through the output layer in chunks (token_logprobs)
+    if not packed:
+        out = model(
+            input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
+        )
+        return out.hidden_states[-1]
+    real = attention.bool()
+    positions = (attention.cumsum(1) - 1)[real][None]
+    # no attention mask and no cache: transformers reads the packing from the positions
+    out = model(
+        input_ids=ids[real][None],
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
+    states = out.hidden_states[-1][0]
+    return states.new_zeros(*ids.shape, states.shape[-1]).masked_scatter(real[..., None], states)
 
 
 def postprocess_logits(logits, config, scale=1.0):
@@ -794,8 +830,7 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
 def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
-    """One row of metrics.jsonl, the overlap measured where it happens: gen_s on the server (first
-    start to last finish of its requests), train_s and sync_s here, idle_s waiting for samples."""
+    """One row of metrics.jsonl; its times and speed: docs/training.md, "A step's time"."""
     gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
     train_s = sum(b - a for a, b in stats["train"])
     sync_s = stats["sync"][0][1] - stats["sync"][0][0]
@@ -829,6 +864,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
+        **speed_metrics(stats["flops"], train_s, cfg),
         "staleness": stats["staleness"].float().mean().item(),
         "staleness_max": int(stats["staleness"].max()),
         "is_weight_mean": w.mean().item(),
@@ -843,6 +879,41 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
+
+
+# dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
+PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "A100": 312}
+
+
+def speed_metrics(flops, train_s, cfg):
+    """The training phase's TFLOP/s, computed (padding included) and useful, and its MFU: the
+    computed ones' share of the devices' peak (--peak-tflops, else PEAK_TFLOPS's; None on a CPU)."""
+    computed, useful = (flops / max(train_s, 1e-9) / 1e12).tolist()
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    peak = cfg.peak_tflops
+    if not peak and cfg.device.startswith("cuda"):
+        name = torch.cuda.get_device_name(cfg.device)
+        peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), 0)
+    mfu = computed / (peak * ranks) if peak else None
+    return {"tflops": computed, "tflops_useful": useful, "mfu": mfu}
+
+
+def train_flops(model, lengths, head_tokens, grad=True, recompute=False):
+    """The matmul FLOPs of a forward (with `grad` and backward; with `recompute` a second forward)
+    of sequences of `lengths` tokens, the output layer at `head_tokens` positions."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # the decoder's matmuls: every 2-D weight but the embeddings (the output layer counts below)
+    embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    n = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings)
+    # PaLM's count (appendix B) per token of a sequence of length T and per pass: 2 FLOPs a
+    # parameter, 4 * layers * heads * head_dim * T for attention (scores, their sum of values); a
+    # forward is 1 pass, backward 2 (6N + 12LHQT for training), a recomputed forward 1 (x 4/3); the
+    # output layer, 2 * hidden * vocab a token, is always recomputed (token_logprobs)
+    attention = 4 * config.num_hidden_layers * heads * head_dim
+    decoder = sum(T * (2 * n + attention * T) for T in lengths) * (1 + (2 + recompute) * grad)
+    return decoder + 2 * config.hidden_size * config.vocab_size * head_tokens * (1 + 3 * grad)
 
 
 def mismatch_metrics(deltas):
@@ -874,9 +945,11 @@ def warn_mismatch(row, cfg):
 
 
 def show_progress(bar, row):
-    """The step's reward, accuracy and seconds on the bar, or where it is off (stderr is no
-    terminal) in a line."""
-    progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s")}
+    """The step's reward, accuracy, seconds and TFLOP/s (MFU where the peak is known) on the bar,
+    or where it is off (stderr is no terminal) in a line."""
+    progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s", "tflops")}
+    if row["mfu"] is not None:
+        progress["mfu"] = f"{row['mfu']:.3f}"
     bar.set_postfix(progress)
     if bar.disable:
         print(f"step {row['step']}: " + " ".join(f"{k} {v}" for k, v in progress.items()))
@@ -1000,63 +1073,7 @@ def warm_start(base, path, cfg):
     return path
 
 
-# -- data and reward -------------------------------------------------------------------------------
-def addition_data(n, seed, digits=5):
-    """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
-    rng = random.Random(seed)
-    return [
-        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
-        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
-    ]
-
-
-def calculator_data(n, seed):
-    """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
-    rng = random.Random(seed)
-    qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
-    prompt = "What is {}? Call <tool>calc EXPRESSION</tool>, then answer.\n"
-    return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
-
-
-def power_data(n, seed):
-    """The MCP tool task: a power of two digits, "7^5=" -> "16807", which the tiny model cannot
-    compute but the `power` tool of mcp_arith.py can (called with two arguments)."""
-    rng = random.Random(seed)
-    pairs = [(rng.randrange(2, 10), rng.randrange(2, 10)) for _ in range(n)]
-    call = '<tool>power {{"base":{},"exponent":{}}}</tool>'.format
-    return [{"prompt": f"{b}^{e}=", "answer": str(b**e), "call": call(b, e)} for b, e in pairs]
-
-
-def power_warm_data(n, seed):
-    """The power task's warm start: the tool's call with the row's numbers or a guessed answer, at
-    random (GRPO finds which pays), and after the tool's result, the result as the answer."""
-    rng = random.Random(seed)
-    rows = power_data(n, seed)
-    turns = []
-    for r in rows:
-        first = rng.choice([r["call"], str(rng.randrange(10 ** rng.randrange(2, 9)))])
-        answered = f"{r['prompt']}{r['call']}<result>{r['answer']}</result>"
-        turns.append({"prompt": r["prompt"], "solution": first})
-        turns.append({"prompt": answered, "solution": r["answer"]})
-    return turns
-
-
-def sums_data(n, seed):
-    """The GPU workload's task: add up 2-16 numbers of 1-2 digits, writing the running total after
-    each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt to
-    prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, 16))]
-        totals = list(itertools.accumulate(terms))
-        steps = [f"{total}+{term}={total + term}" for total, term in zip(totals, terms[1:])]
-        row = {"prompt": "Sum " + " ".join(map(str, terms)) + ":", "answer": str(totals[-1])}
-        # what the reward checks, and what the warm start teaches
-        rows.append(row | {"totals": totals[1:], "solution": " " + " ".join(steps)})
-    return rows
-
-
+# -- the data: --dataset's rows, or the task's (tasks.py) ------------------------------------------
 def load_data(cfg):
     """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
     evaluating), and no training row has one of their prompts."""
@@ -1111,62 +1128,7 @@ def read_dataset(path, reward_fn):
     return rows
 
 
-# -- the reward: a function of (completion, row) -> [0, 1] -----------------------------------------
-def reward(completion: str, answer: str) -> float:
-    """The default reward: 1 if the last number in the completion equals the answer, else 0."""
-    return float(distance(completion, answer) == 0)
-
-
-def addition_reward(completion: str, row: dict) -> float:
-    """The built-in task's reward: an answer off by one earns 2/3 and off by two 1/3, a denser
-    signal for the tiny model, which otherwise locks into its first lucky answers."""
-    return max(0.0, 1 - distance(completion, row["answer"]) / 3)
-
-
-def answer_reward(completion: str, row: dict) -> float:
-    return reward(completion, row["answer"])
-
-
-def sums_reward(completion: str, row: dict) -> float:
-    """The sums task's reward: each running total the completion writes ("=19"), in order, scores
-    1 if right and less the further off it is (0 from twice or nothing), one not written 0; the
-    mean over the row's totals. 1 when every step, and so the answer, is right."""
-    written = [int(number) for number in re.findall(r"=(\d+)", completion)]
-    scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
-    return sum(scores) / len(row["totals"])
-
-
-@dataclass(frozen=True)
-class Task:
-    """A built-in task (--task): its data, (n, seed) -> rows; its reward, (completion, row) -> [0,
-    1]; the server tools its episodes call (none: one completion per sample); and the rows the
-    built-in model's warm start learns from."""
-
-    data: Callable
-    reward: Callable
-    tools: tuple = ()
-    warm_start_data: Callable = addition_data
-
-
-TASKS = {
-    "addition": Task(data=addition_data, reward=addition_reward),
-    "calculator": Task(data=calculator_data, reward=answer_reward, tools=("calc",)),
-    "power": Task(
-        data=power_data, reward=answer_reward, tools=("power",), warm_start_data=power_warm_data
-    ),
-    "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
-}
-
-
-def distance(completion, answer):
-    """|the last number in the completion - the answer|, inf where there is none."""
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
-    try:
-        return abs(float(numbers[-1]) - float(answer)) if numbers else math.inf
-    except ValueError:
-        return math.inf
-
-
+# -- the reward: --reward's function, or the task's ------------------------------------------------
 def reward_function(cfg):
     """--reward's function (module:function, importable from here), else the task's own."""
     if not cfg.reward:
@@ -1486,7 +1448,7 @@ class ShardedPolicy(Policy):
         rank = dist.get_rank()
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
         share = slice(rank * len(seqs) // self.ranks, (rank + 1) * len(seqs) // self.ranks)
-        _, weights, deltas, loss = backward(
+        _, weights, deltas, loss, flops = backward(
             self.model,
             seqs[share],
             advantages[share],
@@ -1498,10 +1460,10 @@ class ShardedPolicy(Policy):
         )
         # the statistics of every rank's share
         shares = [None] * self.ranks
-        dist.all_gather_object(shares, (weights, deltas, loss))
-        weights, deltas, losses = zip(*shares)
+        dist.all_gather_object(shares, (weights, deltas, loss, flops))
+        weights, deltas, losses, flops = zip(*shares)
         tokens = sum(sum(seq.mask[1:]) for seq in seqs)
-        return tokens, torch.cat(weights), torch.cat(deltas), sum(losses)
+        return tokens, torch.cat(weights), torch.cat(deltas), sum(losses), sum(flops)
 
     def step(self, stats):
         lead("step", {"tokens": stats["tokens"], "train": []})

@@ -6,7 +6,7 @@
     .venv/bin/python bench/eval_speed.py --tool-latency 0
     .venv/bin/python bench/eval_speed.py --prompts 32 --rounds 1
 
-The workload: the calculator task's prompts (train.calculator_data), each ending in an open tool
+The workload: the calculator task's prompts (tasks.calculator_data), each ending in an open tool
 call "<tool>lookup ", n samples each, episodes of up to --max-turns model turns of at most
 --max-tokens tokens, temperature 1, on the built-in tiny model. A turn that ends with --call-end
 calls the `lookup` tool, which answers after a latency drawn from an exponential distribution of
@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
-import train  # noqa: E402
+import tasks  # noqa: E402
 from engine import Engine, RolloutEngine, engine_args  # noqa: E402
 from local import tiny_model  # noqa: E402
 
@@ -133,7 +133,7 @@ def lock_step(llm, tools, prompts, a):
 def summary(rows, results):
     flat = [x for per in results for x in per]
     passed = sum(
-        train.reward(text, row["answer"]) == 1
+        tasks.reward(text, row["answer"]) == 1
         for row, per in zip(rows, results)
         for text, _, _ in per
     )
@@ -165,7 +165,7 @@ def main():
         help="GPU only: each engine's share of the GPU",
     )
     a = p.parse_args()
-    rows = train.calculator_data(a.prompts, seed=0)
+    rows = tasks.calculator_data(a.prompts, seed=0)
     prompts = [r["prompt"] + CALL_START + "lookup " for r in rows]
     model = tiny_model()
     args = engine_args(model, gpu_memory_utilization=a.gpu_memory_utilization)

@@ -57,6 +57,7 @@ sys.path.insert(0, ROOT)
 from overlap import RUNS, add_device_flag, device_setup, print_setup, serving  # noqa: E402
 from runs import refuse_untrained  # noqa: E402
 
+import tasks  # noqa: E402
 import train  # noqa: E402
 from local import SHAPES  # noqa: E402
 
@@ -93,7 +94,7 @@ def parse_args():
     add_device_flag(p)
     p.add_argument("--smoke", action="store_true", help="CPU, seconds: " + json.dumps(SMOKE))
     p.add_argument("--model-size", choices=list(SHAPES), help="default: tiny CPU, 0.5b GPU")
-    p.add_argument("--task", choices=list(train.TASKS), help="default: addition CPU, sums GPU")
+    p.add_argument("--task", choices=list(tasks.TASKS), help="default: addition CPU, sums GPU")
     p.add_argument("--warm-start-steps", type=int, help="default: 100 CPU, 400 GPU")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: 120 CPU, 200 GPU)")
     p.add_argument("--eval-every", type=int, help="steps between evaluations (default: 10)")

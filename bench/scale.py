@@ -49,6 +49,7 @@ sys.path.insert(0, ROOT)
 
 from runs import refuse_hollow, spread  # noqa: E402
 
+import tasks  # noqa: E402
 import train  # noqa: E402
 from client import Router  # noqa: E402
 from local import SHAPES, launch_server, stop_server  # noqa: E402
@@ -148,7 +149,7 @@ def generation(a, model, dtype):
         with ThreadPoolExecutor(2) as pool:
             servers = list(pool.map(launch, range(2)))
         urls = [client.base_url for _, client in servers]
-    prompts = [row["prompt"] for row in train.sums_data(a.prompts, seed=1)]
+    prompts = [row["prompt"] for row in tasks.sums_data(a.prompts, seed=1)]
     sampling = dict(n=a.n, max_tokens=a.max_tokens, ignore_eos=True)
     tokens_per_s = {}
     try:

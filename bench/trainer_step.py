@@ -3,12 +3,14 @@ recipe, on the same sequences and weights, alone and (--beside-server) beside an
 
     # GPU: Qwen2.5-0.5B's shape, 32 sequences shaped like bench/trl_gpu.py's micro-batches
     python3 bench/trainer_step.py --device cuda
+    # the same with train.py's sequences packed in one row, without padding (train.py --pack)
+    python3 bench/trainer_step.py --device cuda --pack
     # the same with a server.py on the GPU, idle, as in bench/trl_gpu.py's layout of ours
     python3 bench/trainer_step.py --device cuda --beside-server
     # CPU: the tiny model
     .venv/bin/python bench/trainer_step.py
 
-The sequences: prompts of train.sums_data, each with 8 completions of its worked solution cut to
+The sequences: prompts of tasks.sums_data, each with 8 completions of its worked solution cut to
 0.7-1.3 times its length (one in 20 at --max-tokens, as completions that run to the limit), so
 lengths vary as in the sums workload. The weights: train.py's built-in model of --model-size,
 untrained (the speed does not depend on them). Both sides in fp32 with bf16 autocast on a GPU,
@@ -26,7 +28,10 @@ First the two gradients are compared (more than 5% apart: exit 1). Printed: each
 milliseconds per micro-batch, median (min-max) of --rounds after two warm-up rounds, the sides
 alternating, each first in turn (with --vary, other sequences each round, so that each meets new
 lengths as a run does); then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is faster), and
-`ours_vs_trl_own=` against TRL's own. With --profile, one more round of each under torch.profiler:
+`ours_vs_trl_own=` against TRL's own; and train.py's speed, medians of the rounds: `tflops=`
+(the FLOPs computed, padding included, train.train_flops), `tflops_useful=` (the sequences' own)
+and `mfu=` (tflops over --peak-tflops, else train.PEAK_TFLOPS's by the GPU's name; None on a
+CPU). With --profile, one more round of each under torch.profiler:
 CPU and GPU time, kernel launches, the costliest operators on the CPU and on the GPU.
 """
 
@@ -44,6 +49,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+import tasks  # noqa: E402
 import train  # noqa: E402
 from local import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
 
@@ -57,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per side")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
     p.add_argument("--beside-server", action="store_true", help="a server.py on the model first")
+    p.add_argument("--pack", action="store_true", help="train.py's side packed (train.py --pack)")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: by GPU name)")
     p.add_argument(
         "--vary", action="store_true", help="new sequences every round, as in a run: new lengths"
     )
@@ -70,7 +78,7 @@ def sequences(tok, n, max_tokens, seed=0):
     """(prompts, completions): token ids of n sums-shaped samples, 8 per prompt."""
     rng = random.Random(seed)
     prompts, completions = [], []
-    for row in train.sums_data(n // 8, seed):
+    for row in tasks.sums_data(n // 8, seed):
         prompt, solution = tok(row["prompt"]).input_ids, tok(row["solution"]).input_ids
         for _ in range(8):
             length = round(len(solution) * rng.uniform(0.7, 1.3))
@@ -90,7 +98,8 @@ def ours(model, cfg, prompts, completions, advantages, pad_id):
         )
         for p, c in zip(prompts, completions)
     ]
-    train.backward(model, seqs, advantages, 0, cfg, pad_id)
+    # the FLOPs computed and useful
+    return train.backward(model, seqs, advantages, 0, cfg, pad_id)[4]
 
 
 def trl_batch(model, prompts, completions, pad_id):
@@ -144,9 +153,9 @@ def timed_ms(side, *args, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     sync()
     start = time.perf_counter()
-    side(*args)
+    out = side(*args)
     sync()
-    return (time.perf_counter() - start) * 1000
+    return (time.perf_counter() - start) * 1000, out
 
 
 def check_same_gradient(model, sides, args, tolerance=0.05):
@@ -169,10 +178,17 @@ def check_same_gradient(model, sides, args, tolerance=0.05):
 
 
 def measure(a, path, size, device):
-    """{side: [ms per micro-batch of each measured round]}, the sides alternating."""
+    """{side: [ms per micro-batch of each measured round]}, the sides alternating, and train.py's
+    speed_metrics of each round."""
     tok = AutoTokenizer.from_pretrained(path)
     model = train.load_model(path, a.device)
-    cfg = train.Config(model=path, device=a.device, bf16=device.type == "cuda")
+    cfg = train.Config(
+        model=path,
+        device=a.device,
+        bf16=device.type == "cuda",
+        pack=a.pack,
+        peak_tflops=a.peak_tflops,
+    )
     if not a.no_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
@@ -193,6 +209,7 @@ def measure(a, path, size, device):
     args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
     check_same_gradient(model, sides, args)
     times = {name: [] for name in sides}
+    speeds = []
     for i in range(a.rounds + 2):
         if a.vary:
             prompts, completions = sequences(tok, a.seqs, a.max_tokens, seed=i + 1)
@@ -201,14 +218,16 @@ def measure(a, path, size, device):
         # allocations, and always the same side there would put the cost of it on that side
         names = list(sides)[i % len(sides) :] + list(sides)[: i % len(sides)]
         for name in names:
-            ms = timed_ms(sides[name], *args, device=device)
+            ms, flops = timed_ms(sides[name], *args, device=device)
             model.zero_grad(set_to_none=True)
             if i >= 2:
                 times[name].append(ms)
+            if i >= 2 and name == "train.py":
+                speeds.append(train.speed_metrics(flops, ms / 1000, cfg))
     if a.profile:
         for name, side in sides.items():
             profile(name, side, args, device)
-    return times
+    return times, speeds
 
 
 def profile(name, side, args, device):
@@ -251,7 +270,7 @@ def main(argv=None):
         client.generate(["Sum 1 2:"], n=8, max_tokens=16)
         print("a server.py on the model, idle from now on", flush=True)
     try:
-        times = measure(a, path, size, device)
+        times, speeds = measure(a, path, size, device)
     finally:
         if server:
             stop_server(server)
@@ -262,6 +281,9 @@ def main(argv=None):
     if "TRL's own" in times:
         ratio = statistics.median(times["TRL's own"]) / statistics.median(times["train.py"])
         print(f"ours_vs_trl_own={ratio:.3f}")
+    for key in ("tflops", "tflops_useful", "mfu"):
+        values = [speed[key] for speed in speeds]
+        print(f"{key}={statistics.median(values):.4g}" if None not in values else f"{key}=None")
 
 
 if __name__ == "__main__":

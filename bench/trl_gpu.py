@@ -10,10 +10,10 @@
 
 The workload, the same on every side: train.py's own, the one its GPU demo learns on (--task
 sums: add up 2-16 numbers writing each running total, so completion lengths vary; each total
-scores by how close it is, train.sums_reward, so rewards vary inside a group), on its built-in
+scores by how close it is, tasks.sums_reward, so rewards vary inside a group), on its built-in
 model of Qwen2.5-0.5B's shape (or 1.5B's; tiny for --smoke) warm-started on worked sums
 (train.builtin_model, --warm-start-steps, cached in .cache/); the same prompts (--work's
-prompts.jsonl: train.sums_data's rows, the prompt as raw text; as one user message for the async
+prompts.jsonl: tasks.sums_data's rows, the prompt as raw text; as one user message for the async
 trainer, which takes chat messages only); --prompts-per-step prompts x --group-size 8
 completions of up to --max-tokens tokens, trained in --micro-batches micro-batches; fp32 master
 weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one optimizer step per batch, no KL
@@ -188,13 +188,13 @@ def build_model(a):
 
 
 def build_data(a, rows=2000):
-    """prompts.jsonl: train.sums_data's rows (prompt, answer, the running totals the reward
+    """prompts.jsonl: tasks.sums_data's rows (prompt, answer, the running totals the reward
     checks), and the prompt again as `question` for the sides that take chat messages."""
-    import train
+    import tasks
 
     path = os.path.join(a.work, "prompts.jsonl")
     with open(path, "w") as f:
-        for row in train.sums_data(rows, seed=1):
+        for row in tasks.sums_data(rows, seed=1):
             print(json.dumps(row | {"question": row["prompt"]}), file=f)
     return path
 
@@ -300,7 +300,7 @@ def ours_config(a, model, data, device, name, overrides):
     fields = dict(
         model=model,
         dataset=data,
-        reward="train:sums_reward",
+        reward="tasks:sums_reward",
         out=os.path.join(a.work, "ours", re.sub(r"\W+", "-", f"{device}-{name}")),
         steps=a.steps,
         prompts_per_step=a.prompts_per_step,
@@ -342,12 +342,12 @@ def emit_ours(a, cfg, layout, name, history):
 
 # -- TRL's side ------------------------------------------------------------------------------------
 def reward_sums(completions, totals, **kwargs):
-    """train.sums_reward for TRL (which passes the dataset's columns): each running total scored by
+    """tasks.sums_reward for TRL (which passes the dataset's columns): each running total scored by
     how close it is. A conversational completion (the async trainer's) is a list of messages."""
-    import train
+    import tasks
 
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [train.sums_reward(text, {"totals": row}) for text, row in zip(texts, totals)]
+    return [tasks.sums_reward(text, {"totals": row}) for text, row in zip(texts, totals)]
 
 
 def trl_dataset(data, conversational=False):

@@ -138,6 +138,10 @@ def test_the_trainer_step_bench_checks_both_recipes_give_one_gradient_then_times
     [gap] = [line for line in run.stdout.splitlines() if line.startswith("the two gradients")]
     assert float(gap.split()[5]) < 1e-4, gap
     assert "ours_vs_trl=" in run.stdout
+    # train.py's speed; no MFU on a CPU, whose peak is not known
+    tflops = dict(line.split("=") for line in run.stdout.splitlines() if "tflops" in line)
+    assert 0 < float(tflops["tflops_useful"]) <= float(tflops["tflops"])
+    assert "mfu=None" in run.stdout.splitlines()
     # one profiled round of each recipe, with the operators that took the most CPU time
     profiles = [line for line in run.stdout.splitlines() if line.startswith("profile ")]
     assert [line.split(":")[0] for line in profiles] == ["profile train.py", "profile TRL"]

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import tasks
 import train
 from client import Episode
 from local import save_model
@@ -87,18 +88,18 @@ def test_train_py_runs_against_a_server_where_vllm_cannot_be_imported(
 # -- your reward, your data ------------------------------------------------------------------------
 def test_sequence_given_no_episode_says_what_is_wrong():
     with pytest.raises(ValueError, match="no episode"):
-        train.sequence({"prompt": "p", "answer": "3"}, None, train.answer_reward)
+        train.sequence({"prompt": "p", "answer": "3"}, None, tasks.answer_reward)
 
 
 def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
-    """The README: the reward is train.reward(completion, answer); replace it, and the rest
+    """The README: the reward is tasks.reward(completion, answer); replace it, and the rest
     follows."""
-    monkeypatch.setattr(train, "reward", lambda completion, answer: float(answer in completion))
+    monkeypatch.setattr(tasks, "reward", lambda completion, answer: float(answer in completion))
     episode = Episode(
         [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
     )
     assert (
-        train.sequence({"prompt": "p", "answer": "42"}, episode, train.answer_reward).reward == 1.0
+        train.sequence({"prompt": "p", "answer": "42"}, episode, tasks.answer_reward).reward == 1.0
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import tasks
 import train
 from conftest import MCP_TOOLS, needs_mcp, position_gradients
 
@@ -310,7 +311,7 @@ def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weight
     history = train.main(args)
     assert all(row["tool_share"] > 0 for row in history)
     # the run's weights are the server's now: their episodes' calls, answered by the MCP server
-    prompts = [row["prompt"] for row in train.power_data(4, 0)]
+    prompts = [row["prompt"] for row in tasks.power_data(4, 0)]
     episodes = client.rollout(prompts, tools=["power"], n=4, max_turns=2, max_tokens=48)
     calls = [call for group in episodes for ep in group for call in ep.tool_calls]
     assert calls and all(call["name"] == "power" for call in calls)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from test_weight_sync import hf_greedy, perturbed, wait_for_in_flight
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import tasks
 import train
 from client import Client, Router, free_port, push_until_done
 from conftest import GPU_FLAGS, stop_in_background
@@ -143,7 +144,7 @@ def break_weight_sync_once(completion, row):
     and the Router drops a server that is up, and holds the next step's requests."""
     if "client" in BREAK:
         BREAK.pop("client")._request("POST", "/close_communicator")
-    return train.addition_reward(completion, row)
+    return tasks.addition_reward(completion, row)
 
 
 def test_a_server_dropped_after_a_failed_push_costs_a_resubmission_not_the_run(

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plot
+import tasks
 import train
 from conftest import needs_cuda, needs_two_gpus
 from local import save_model
@@ -99,23 +100,24 @@ def test_chunked_logprobs_and_their_gradient_are_one_log_softmax(model_path, tem
     prompts, completions, advantages = random_batch(6, seed=4)
     batch = train.make_batch(prompts, completions, pad_id=1)
     results = []
-    # chunks straddle rows
+    # chunks straddle rows; packed, the sequences run in one row, their attention kept apart
     for logprobs in (
         lambda: full_log_softmax(model, batch, temperature),
         lambda: train.token_logprobs(model, batch, temperature, chunk_tokens=7),
+        lambda: train.token_logprobs(model, batch, temperature, chunk_tokens=7, packed=True),
     ):
         model.zero_grad()
         lp = logprobs()
         (lp * batch["mask"] * advantages[:, None]).sum().backward()
         results.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
-    (ref, ref_grad), (ours, our_grad) = results
+    (ref, ref_grad), *ours = results
     # at the completion tokens; prompt and padding need no logprob, and get 0
     completion = batch["mask"] > 0
-    assert torch.allclose(ours[completion], ref[completion], atol=1e-5)
-    assert (ours[~completion] == 0).all() and (~completion).any()
-    assert (
-        ref_grad.abs().max() > 0 and (our_grad - ref_grad).abs().max() < 1e-5 * ref_grad.abs().max()
-    ), (our_grad - ref_grad).abs().max()
+    assert ref_grad.abs().max() > 0 and (~completion).any()
+    for logprobs, grad in ours:
+        assert torch.allclose(logprobs[completion], ref[completion], atol=1e-5)
+        assert (logprobs[~completion] == 0).all()
+        assert (grad - ref_grad).abs().max() < 1e-5 * ref_grad.abs().max()
 
 
 def seqs_of(prompts, completions):
@@ -137,7 +139,7 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, _, _, _ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
+    tokens, *_ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
@@ -156,6 +158,7 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
         {"train_micro_batch": 5},
         {"train_micro_batch": 1},
         {"gradient_checkpointing": True},
+        {"pack": True, "train_micro_batch": 5},
     ):
         assert torch.allclose(
             trainer_gradient(model, seqs, advantages, **memory), whole, atol=1e-6, rtol=1e-4
@@ -186,6 +189,34 @@ def test_groups_with_equal_rewards_get_no_forward_and_leave_the_gradient_unchang
     every_sample = step_gradient(model, prompts, completions, advantages, micro_batches=1)
     assert sum(forwarded) == 4
     assert every_sample.abs().max() > 0 and torch.allclose(skipping, every_sample, atol=1e-7)
+
+
+def test_train_flops_count_the_tiny_models_matmuls_as_counted_by_hand(model_path):
+    """6N + 12LHQT FLOPs a token for a forward and backward (PaLM's), N the decoder's matmul
+    parameters counted from the tiny model's config; x4/3 where the forward is recomputed; the
+    output layer (always recomputed) at the loss mask's tokens. backward's padded rows compute
+    more than the sequences' own tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    c = model.config
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    kv = c.num_key_value_heads * H // c.num_attention_heads
+    # per layer q and o (H x H), k and v (H x kv), gate, up and down (H x intermediate)
+    n = L * (2 * H * H + 2 * H * kv + 3 * H * c.intermediate_size)
+    assert n == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256)
+    decoder = sum(T * (6 * n + 12 * L * H * T) for T in (10, 7))
+    head = 2 * H * V * 5
+    assert train.train_flops(model, [10, 7], 5) == decoder + 4 * head
+    assert train.train_flops(model, [10, 7], 5, recompute=True) == decoder * 4 / 3 + 4 * head
+    assert train.train_flops(model, [10, 7], 5, grad=False) == decoder / 3 + head
+    prompts, completions, advantages = random_batch(4, seed=1)
+    seqs = seqs_of(prompts, completions)
+    tokens, _, _, _, flops = train.backward(model, seqs, advantages, 0, train.Config(model="m"), 1)
+    lengths = [len(seq.ids) for seq in seqs]
+    assert flops.tolist() == [
+        train.train_flops(model, [max(lengths)] * 4, tokens),
+        train.train_flops(model, lengths, tokens),
+    ]
+    assert flops[0] > flops[1]
 
 
 def test_mismatch_kl_estimates_the_kl_of_server_and_trainer_from_server_samples():
@@ -240,29 +271,29 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
 
 
 def test_reward_reads_the_last_number():
-    assert train.reward("7", "7") == 1.0 and train.reward("so 3+4 = 7", "7") == 1.0
+    assert tasks.reward("7", "7") == 1.0 and tasks.reward("so 3+4 = 7", "7") == 1.0
     assert (
-        train.reward("8", "7") == 0.0
-        and train.reward("", "7") == 0.0
-        and train.reward("7.5", "7") == 0.0
+        tasks.reward("8", "7") == 0.0
+        and tasks.reward("", "7") == 0.0
+        and tasks.reward("7.5", "7") == 0.0
     )
-    partial = [train.addition_reward(x, {"answer": "7"}) for x in ("7", "8", "5", "10", "")]
+    partial = [tasks.addition_reward(x, {"answer": "7"}) for x in ("7", "8", "5", "10", "")]
     assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
 def test_the_sums_reward_scores_each_running_total_by_how_close_it_is():
     row = {"prompt": "Sum 12 7 30:", "answer": "49", "totals": [19, 49]}
-    assert train.sums_reward(" 12+7=19 19+30=49", row) == 1.0
+    assert tasks.sums_reward(" 12+7=19 19+30=49", row) == 1.0
     # the second total 5 off
-    assert train.sums_reward(" 12+7=19 19+30=54", row) == pytest.approx((1 + (1 - 5 / 49)) / 2)
+    assert tasks.sums_reward(" 12+7=19 19+30=54", row) == pytest.approx((1 + (1 - 5 / 49)) / 2)
     # a total not written scores 0, one off by its own value or more too
-    assert train.sums_reward(" 12+7=19", row) == 0.5
-    assert train.sums_reward(" 12+7=38 38+30=98", row) == 0.0
-    assert train.sums_reward("", row) == 0.0
+    assert tasks.sums_reward(" 12+7=19", row) == 0.5
+    assert tasks.sums_reward(" 12+7=38 38+30=98", row) == 0.0
+    assert tasks.sums_reward("", row) == 0.0
 
 
 def test_sums_prompts_take_from_1_to_15_steps_so_completion_lengths_vary():
-    rows = train.sums_data(1000, seed=0)
+    rows = tasks.sums_data(1000, seed=0)
     steps = {len(r["totals"]) for r in rows}
     assert steps == set(range(1, 16))
     # every solution's last total is the answer, and the reward that grades it reads it back
@@ -401,6 +432,8 @@ def test_train_py_trains_on_a_gpu(model_path, tmp_path, device):
     # trainer's: a GPU server's float32 kernels and the trainer's differ by ~3e-3
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert all(r["mismatch_max"] < 1e-2 for r in rows)
+    # an H200, H100 or A100 has its peak in train.PEAK_TFLOPS
+    assert all(0 < r["mfu"] < 1 for r in rows)
 
 
 @pytest.mark.gpu
@@ -633,7 +666,7 @@ def default_sigint():
 INTERRUPTING = '''
 import os, signal
 
-import train
+import tasks
 
 
 def interrupting(completion, row):
@@ -646,7 +679,7 @@ def interrupting(completion, row):
             with open(os.path.join(OUT, "plot-before.txt"), "w") as marker:
                 marker.write(str(os.stat(plot).st_mtime_ns) if os.path.exists(plot) else "none")
             os.kill(os.getpid(), signal.SIGINT)
-    return train.addition_reward(completion, row)
+    return tasks.addition_reward(completion, row)
 '''
 
 
@@ -702,6 +735,8 @@ def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
         assert row["truncated"] == 0 or row["completion_length_max"] == cfg.max_tokens
         # on-policy: no stale token, weight 1, none clipped
         assert (row["is_weight_mean"], row["is_weight_max"], row["is_clipped"]) == (1, 1, 0)
+        # the training phase's speed; no MFU on a CPU, whose peak is not known
+        assert 0 < row["tflops_useful"] <= row["tflops"] and row["mfu"] is None
     assert any(row["truncated"] > 0 for row in rows)
     # drawn after step 2, and again as the run stopped
     drawn_before = (out / "plot-before.txt").read_text()
@@ -723,7 +758,7 @@ def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
     # stdout is no terminal here: a line per step, no bar
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 5 and "reward" in lines[0] and "accuracy" in lines[0]
-    assert "step_s" in lines[0]
+    assert "step_s" in lines[0] and "tflops" in lines[0] and "mfu" not in lines[0]
 
 
 def test_on_a_terminal_one_bar_shows_reward_accuracy_and_seconds_per_step(
@@ -941,7 +976,7 @@ def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_line(tmp_path
     rows += [{"prompt": "b", "answer": ""}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as refused:
-        train.read_dataset(str(data), train.answer_reward)
+        train.read_dataset(str(data), tasks.answer_reward)
     assert 'line 2: ValueError: "answer" is null' in str(refused.value)
     assert 'line 3: ValueError: "answer" is ""' in str(refused.value)
 

@@ -1,0 +1,122 @@
+"""The built-in tasks (train.py --task): each one's data, (n, seed) -> rows, and reward,
+(completion, row) -> [0, 1], and the `TASKS` table that names them."""
+
+import itertools
+import math
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+# -- the data --------------------------------------------------------------------------------------
+def addition_data(n, seed, digits=5):
+    """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
+    ]
+
+
+def calculator_data(n, seed):
+    """The built-in tool task: multi-digit arithmetic, with the calculator tool on offer."""
+    rng = random.Random(seed)
+    qs = [f"{rng.randrange(10, 100)}*{rng.randrange(2, 10)}+{rng.randrange(100)}" for _ in range(n)]
+    prompt = "What is {}? Call <tool>calc EXPRESSION</tool>, then answer.\n"
+    return [{"prompt": prompt.format(q), "answer": str(eval(q))} for q in qs]
+
+
+def power_data(n, seed):
+    """The MCP tool task: a power of two digits, "7^5=" -> "16807", which the tiny model cannot
+    compute but the `power` tool of mcp_arith.py can (called with two arguments)."""
+    rng = random.Random(seed)
+    pairs = [(rng.randrange(2, 10), rng.randrange(2, 10)) for _ in range(n)]
+    call = '<tool>power {{"base":{},"exponent":{}}}</tool>'.format
+    return [{"prompt": f"{b}^{e}=", "answer": str(b**e), "call": call(b, e)} for b, e in pairs]
+
+
+def power_warm_data(n, seed):
+    """The power task's warm start: the tool's call with the row's numbers or a guessed answer, at
+    random (GRPO finds which pays), and after the tool's result, the result as the answer."""
+    rng = random.Random(seed)
+    rows = power_data(n, seed)
+    turns = []
+    for r in rows:
+        first = rng.choice([r["call"], str(rng.randrange(10 ** rng.randrange(2, 9)))])
+        answered = f"{r['prompt']}{r['call']}<result>{r['answer']}</result>"
+        turns.append({"prompt": r["prompt"], "solution": first})
+        turns.append({"prompt": answered, "solution": r["answer"]})
+    return turns
+
+
+def sums_data(n, seed):
+    """The GPU workload's task: add up 2-16 numbers of 1-2 digits, writing the running total after
+    each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt to
+    prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, 16))]
+        totals = list(itertools.accumulate(terms))
+        steps = [f"{total}+{term}={total + term}" for total, term in zip(totals, terms[1:])]
+        row = {"prompt": "Sum " + " ".join(map(str, terms)) + ":", "answer": str(totals[-1])}
+        # what the reward checks, and what the warm start teaches
+        rows.append(row | {"totals": totals[1:], "solution": " " + " ".join(steps)})
+    return rows
+
+
+# -- the rewards -----------------------------------------------------------------------------------
+def reward(completion: str, answer: str) -> float:
+    """The default reward: 1 if the last number in the completion equals the answer, else 0."""
+    return float(distance(completion, answer) == 0)
+
+
+def addition_reward(completion: str, row: dict) -> float:
+    """The built-in task's reward: an answer off by one earns 2/3 and off by two 1/3, a denser
+    signal for the tiny model, which otherwise locks into its first lucky answers."""
+    return max(0.0, 1 - distance(completion, row["answer"]) / 3)
+
+
+def answer_reward(completion: str, row: dict) -> float:
+    return reward(completion, row["answer"])
+
+
+def sums_reward(completion: str, row: dict) -> float:
+    """The sums task's reward: each running total the completion writes ("=19"), in order, scores
+    1 if right and less the further off it is (0 from twice or nothing), one not written 0; the
+    mean over the row's totals. 1 when every step, and so the answer, is right."""
+    written = [int(number) for number in re.findall(r"=(\d+)", completion)]
+    scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
+    return sum(scores) / len(row["totals"])
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task (--task): its data, (n, seed) -> rows; its reward, (completion, row) -> [0,
+    1]; the server tools its episodes call (none: one completion per sample); and the rows the
+    built-in model's warm start learns from."""
+
+    data: Callable
+    reward: Callable
+    tools: tuple = ()
+    warm_start_data: Callable = addition_data
+
+
+TASKS = {
+    "addition": Task(data=addition_data, reward=addition_reward),
+    "calculator": Task(data=calculator_data, reward=answer_reward, tools=("calc",)),
+    "power": Task(
+        data=power_data, reward=answer_reward, tools=("power",), warm_start_data=power_warm_data
+    ),
+    "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
+}
+
+
+def distance(completion, answer):
+    """|the last number in the completion - the answer|, inf where there is none."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
+    try:
+        return abs(float(numbers[-1]) - float(answer)) if numbers else math.inf
+    except ValueError:
+        return math.inf
