@@ -1,6 +1,7 @@
 """The built-in tasks (train.py --task): each one's data, (n, seed) -> rows, and reward,
 (completion, row) -> [0, 1], and the `TASKS` table that names them."""
 
+import functools
 import itertools
 import math
 import random
@@ -50,14 +51,14 @@ def power_warm_data(n, seed):
     return turns
 
 
-def sums_data(n, seed):
-    """The GPU workload's task: add up 2-16 numbers of 1-2 digits, writing the running total after
-    each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt to
-    prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
+def sums_data(n, seed, most=16):
+    """The GPU workload's task: add up 2 to `most` numbers of 1-2 digits, writing the running total
+    after each one: "Sum 12 7 30:" -> " 12+7=19 19+30=49". The number of steps varies from prompt
+    to prompt, and so do the completions' lengths (10-170 tokens), as in real RL."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, 16))]
+        terms = [rng.randrange(1, 100) for _ in range(rng.randint(2, most))]
         totals = list(itertools.accumulate(terms))
         steps = [f"{total}+{term}={total + term}" for total, term in zip(totals, terms[1:])]
         row = {"prompt": "Sum " + " ".join(map(str, terms)) + ":", "answer": str(totals[-1])}
@@ -110,6 +111,12 @@ TASKS = {
         data=power_data, reward=answer_reward, tools=("power",), warm_start_data=power_warm_data
     ),
     "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
+    # 2-4 numbers: few enough steps that whole answers come right (the parity workload)
+    "short-sums": Task(
+        data=functools.partial(sums_data, most=4),
+        reward=sums_reward,
+        warm_start_data=functools.partial(sums_data, most=4),
+    ),
 }
 
 
