@@ -62,11 +62,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per side")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8, help="completion length limit")
+    p.add_argument("--lr", type=float, help="both sides' (default: 1e-3 tiny, else 2e-5)")
     p.add_argument(
         "--server-url", help="a server on the model with --enable-lora (else one starts)"
     )
     a = p.parse_args(argv)
     a.model_size = a.model_size or ("0.5b" if a.device.startswith("cuda") else "tiny")
+    # 1e-3 collapses the 0.5B model's full fine-tuning in a few steps (every reward equal)
+    a.lr = a.lr or (1e-3 if a.model_size == "tiny" else 2e-5)
     return a
 
 
@@ -130,6 +133,7 @@ def step_seconds(client, base, a, out, lora_rank):
         micro_batches=2,
         group_size=8,
         max_tokens=a.max_tokens,
+        lr=a.lr,
         device=a.device,
         dtype="bfloat16" if on_gpu(a) else "float32",
         bf16=on_gpu(a),
