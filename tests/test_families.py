@@ -175,9 +175,11 @@ class Engines:
 
         def load(worker):
             from vllm.model_executor.model_loader.utils import initialize_model
+            from vllm.utils.torch_utils import set_default_torch_dtype
 
+            dtype = worker.vllm_config.model_config.dtype
             # vLLM refuses a second attention layer of one name: each copy has a prefix of its own
-            with torch.device(worker.device):
+            with torch.device(worker.device), set_default_torch_dtype(dtype):
                 direct, reference = [
                     initialize_model(worker.vllm_config, prefix=uuid.uuid4().hex) for _ in "ab"
                 ]
