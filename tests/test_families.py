@@ -238,6 +238,11 @@ class Host:
         self.process.join(60)
 
 
+def served_weights(model):
+    """`model`'s [(name, tensor)] in the served dtype, as a push sends them."""
+    return [(n, p.detach().to(DTYPES[DTYPE])) for n, p in model.named_parameters()]
+
+
 class Served:
     """One family's model in the engines' process, and the weights it holds (on the CPU, as the
     trainer has them)."""
@@ -256,8 +261,7 @@ class Served:
 
     def push(self, model):
         """Load `model`'s weights, in the served dtype."""
-        weights = [(n, p.detach().to(DTYPES[DTYPE])) for n, p in model.named_parameters()]
-        self.host.call("load", weights)
+        self.host.call("load", served_weights(model))
 
 
 @pytest.fixture(scope="module")
@@ -334,10 +338,6 @@ def test_pushed_weights_give_transformers_greedy_tokens(family):
 
 
 # -- direct loads: engine.direct_load against vLLM's load_weights -------------------------------
-def served_weights(model):
-    return [(n, p.detach().to(DTYPES[DTYPE])) for n, p in model.named_parameters()]
-
-
 def test_direct_loads_equal_load_weights(family):
     """After a first load, direct_load copies the tensors that map onto a vLLM parameter by slices
     (q, k, v into qkv_proj, gate and up into gate_up_proj, the rest 1:1) straight there: the
