@@ -107,7 +107,6 @@ class Config:
     train_micro_batch: int = flag(0, "sequences per forward/backward (0: all)", at_least=0)
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
-    pack: bool = flag(False, "a forward's sequences in one row, no padding (block-diagonal mask)")
     # the schedule
     schedule: str = flag("overlap", "when the trainer gets samples", ["overlap", "sync-batch"])
     max_staleness: int = flag(0, "K: steps generated ahead, on weights K versions old", at_least=0)
@@ -715,18 +714,16 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
     autocast = torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16)
     with autocast, torch.set_grad_enabled(grad):
-        logprobs = token_logprobs(model, batch, cfg.temperature, packed=cfg.pack)  # (b, T-1)
+        logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
     old, sampled = batch["old_logprobs"], batch["mask"] > 0
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap)
     if grad:
         loss.backward()
     lengths = [len(seq.ids) for seq in seqs]
     recompute = grad and model.is_gradient_checkpointing
-    # packed, sdpa's attention still spans the whole row (a mask zeroes the blocks off its diagonal)
-    computed = [sum(lengths)] if cfg.pack else [max(lengths)] * len(lengths)
     flops = [
         train_flops(model, shape, int(sampled.sum()), grad, recompute)
-        for shape in (computed, lengths)
+        for shape in ([max(lengths)] * len(lengths), lengths)
     ]
     deltas = (logprobs.detach() - old)[~stale & sampled]
     return w[stale & sampled], deltas, loss.item(), torch.tensor(flops, dtype=torch.float64)
@@ -751,13 +748,17 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
     return batch
 
 
-def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048, packed=False):
+def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
     set, 0 elsewhere; the output layer runs `chunk_tokens` positions at a time, recomputed in
-    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md);
-    `packed`: hidden_states' packed forward."""
+    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md)."""
     ids = batch["input_ids"].to(model.device)
-    hidden = hidden_states(model, ids, batch["attention"].to(model.device), packed)
+    attention = batch["attention"].to(model.device)
+    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
+    # position, the hidden states go through the output layer in chunks below
+    hidden = model(
+        input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
+    ).hidden_states[-1]
     # the output layer runs only where the loss mask is set: (tokens, H), (tokens,)
     keep = batch["mask"].to(model.device).flatten() > 0
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
@@ -778,31 +779,6 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048, packed=Fals
     # each kept position's logprob in its place, 0 elsewhere
     logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
     return logprobs.view(len(ids), -1).cpu()
-
-
-def hidden_states(model, ids, attention, packed=False):
-    """(B, T, H): the last layer's hidden states of right-padded `ids`. `packed`: the sequences end
-    to end in one row without padding, positions restarting at each, which transformers' masking
-    reads as packed (attention block-diagonal); their states go back to the (B, T) layout."""
-    # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
-    # position, the hidden states go through the output layer in chunks (token_logprobs)
-    if not packed:
-        out = model(
-            input_ids=ids, attention_mask=attention, logits_to_keep=1, output_hidden_states=True
-        )
-        return out.hidden_states[-1]
-    real = attention.bool()
-    positions = (attention.cumsum(1) - 1)[real][None]
-    # no attention mask and no cache: transformers reads the packing from the positions
-    out = model(
-        input_ids=ids[real][None],
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    )
-    states = out.hidden_states[-1][0]
-    return states.new_zeros(*ids.shape, states.shape[-1]).masked_scatter(real[..., None], states)
 
 
 def postprocess_logits(logits, config, scale=1.0):

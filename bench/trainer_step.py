@@ -3,8 +3,6 @@ recipe, on the same sequences and weights, alone and (--beside-server) beside an
 
     # GPU: Qwen2.5-0.5B's shape, 32 sequences shaped like bench/trl_gpu.py's micro-batches
     python3 bench/trainer_step.py --device cuda
-    # the same with train.py's sequences packed in one row, without padding (train.py --pack)
-    python3 bench/trainer_step.py --device cuda --pack
     # the same with a server.py on the GPU, idle, as in bench/trl_gpu.py's layout of ours
     python3 bench/trainer_step.py --device cuda --beside-server
     # CPU: the tiny model
@@ -63,7 +61,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per side")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
     p.add_argument("--beside-server", action="store_true", help="a server.py on the model first")
-    p.add_argument("--pack", action="store_true", help="train.py's side packed (train.py --pack)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (default: by GPU name)")
     p.add_argument(
         "--vary", action="store_true", help="new sequences every round, as in a run: new lengths"
@@ -183,11 +180,7 @@ def measure(a, path, size, device):
     tok = AutoTokenizer.from_pretrained(path)
     model = train.load_model(path, a.device)
     cfg = train.Config(
-        model=path,
-        device=a.device,
-        bf16=device.type == "cuda",
-        pack=a.pack,
-        peak_tflops=a.peak_tflops,
+        model=path, device=a.device, bf16=device.type == "cuda", peak_tflops=a.peak_tflops
     )
     if not a.no_checkpointing:
         model.gradient_checkpointing_enable()
