@@ -92,6 +92,10 @@ def sums_reward(completion: str, row: dict) -> float:
     return sum(scores) / len(row["totals"])
 
 
+# 2-4 numbers: fewer steps to get right than sums' (a candidate workload for bench/parity.py)
+short_sums_data = functools.partial(sums_data, most=4)
+
+
 @dataclass(frozen=True)
 class Task:
     """A built-in task (--task): its data, (n, seed) -> rows; its reward, (completion, row) -> [0,
@@ -111,12 +115,7 @@ TASKS = {
         data=power_data, reward=answer_reward, tools=("power",), warm_start_data=power_warm_data
     ),
     "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
-    # 2-4 numbers: few enough steps that whole answers come right (the parity workload)
-    "short-sums": Task(
-        data=functools.partial(sums_data, most=4),
-        reward=sums_reward,
-        warm_start_data=functools.partial(sums_data, most=4),
-    ),
+    "short-sums": Task(data=short_sums_data, reward=sums_reward, warm_start_data=short_sums_data),
 }
 
 

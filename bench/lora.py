@@ -105,6 +105,7 @@ def adapter_pushes(client, peft, rounds, via):
         parts["http_s"].append(wall - update["encode_s"] - update["read_s"] - update["load_s"])
 
     times = push_seconds(push, rounds)
+    # the parts of the timed pushes: the first is push_seconds' warm-up
     shown = "  ".join(f"{p[:-2]} {statistics.median(t[1:]) * 1e3:.1f}" for p, t in parts.items())
     return times, shown
 

@@ -226,26 +226,34 @@ RUNS = {
 TIMELINES = ["sync-batch", "overlap", "drain K=1", "in-flight K=1"]
 
 
+def schedule_config(args, model, name, out, **fields):
+    """train.Config of schedule `name` (RUNS') on `args`' workload (steps, prompts, group size,
+    tokens, lr), from `model`'s weights into `out`; bench/parity.py's runs too."""
+    schedule, staleness, update_mode = RUNS[name]
+    return train.Config(
+        model=model,
+        out=out,
+        steps=args.steps,
+        schedule=schedule,
+        max_staleness=staleness,
+        update_mode=update_mode,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        **fields,
+    )
+
+
 def run_schedules(args, model, server_flags, trainer):
     """train.train once per schedule, all against one server; their metrics."""
     os.makedirs(args.out, exist_ok=True)
     histories = {}
     with serving(args, model, server_flags) as client:
         for name in args.runs.split(","):
-            schedule, staleness, update_mode = RUNS[name]
-            cfg = train.Config(
-                model=model,
-                out=os.path.join(args.out, name.replace(" ", "-")),
-                steps=args.steps,
-                schedule=schedule,
-                max_staleness=staleness,
-                update_mode=update_mode,
-                prompts_per_step=args.prompts_per_step,
-                micro_batches=args.micro_batches,
-                group_size=args.group_size,
-                max_tokens=args.max_tokens,
-                lr=args.lr,
-                **trainer,
+            out = os.path.join(args.out, name.replace(" ", "-"))
+            cfg = schedule_config(
+                args, model, name, out, micro_batches=args.micro_batches, **trainer
             )
             print(json.dumps(vars(cfg)), flush=True)
             histories[name] = train.train(cfg, client)

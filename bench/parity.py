@@ -54,7 +54,14 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from overlap import RUNS, add_device_flag, device_setup, print_setup, serving  # noqa: E402
+from overlap import (  # noqa: E402
+    RUNS,
+    add_device_flag,
+    device_setup,
+    print_setup,
+    schedule_config,
+    serving,
+)
 from runs import refuse_untrained  # noqa: E402
 
 import tasks  # noqa: E402
@@ -181,22 +188,15 @@ def run(args, client, model, name, seed, settings):
 
 def train_run(args, client, model, name, seed, settings, out):
     """train.train of schedule `name` (RUNS') at `seed`, from `model`'s weights, into `out`."""
-    schedule, staleness, update_mode = RUNS[name]
     # train.py adds to eval_samples.jsonl: an old run's would be read as this one's
     shutil.rmtree(out, ignore_errors=True)
-    cfg = train.Config(
-        model=model,
-        out=out,
+    cfg = schedule_config(
+        args,
+        model,
+        name,
+        out,
         seed=seed,
         seed_requests=True,
-        steps=args.steps,
-        schedule=schedule,
-        max_staleness=staleness,
-        update_mode=update_mode,
-        prompts_per_step=args.prompts_per_step,
-        group_size=args.group_size,
-        max_tokens=args.max_tokens,
-        lr=args.lr,
         eval_every=args.eval_every,
         eval_prompts=args.eval_prompts,
         **settings,
