@@ -91,6 +91,7 @@ class Config:
     gpu_memory_utilization: float = flag(0.3, "the GPU share of the server train.py starts")
     out: str = flag("runs/demo", "folder for metrics.jsonl, plot.png and the checkpoint")
     save_every: int = flag(0, "save the checkpoint every K steps (0: at the end only)", at_least=0)
+    checkpoint: bool = flag(True, "save the checkpoint at the end (--no-checkpoint: metrics only)")
     resume: str = flag("", "continue the run in this --out from its checkpoint")
     seed_requests: bool = flag(False, "seed each step's requests from its prompts (exact resumes)")
     seed: int = flag(0, "seed for data, sampling and init")
@@ -270,7 +271,8 @@ def train(cfg: Config, client: Client, data=None):
             show_progress(bar, row)
         if cfg.eval_every:
             run_log.log_eval(cfg.steps, final_eval(client, held_out, cfg))
-    save_checkpoint(cfg, policy, tok, cfg.steps, rng, rollouts)
+    if cfg.checkpoint:
+        save_checkpoint(cfg, policy, tok, cfg.steps, rng, rollouts)
     finish_run(cfg, rollouts.client, history)
     return history
 
@@ -1011,19 +1013,26 @@ def check_logprobs(model, tok, text, atol=1e-3):
 def builtin_model(cfg):
     """The built-in model: local.tiny_model of --model-size (seeded, nothing downloaded),
     warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
-    size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
-    base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])
-    path = warm_start(base, f"{base}-{cfg.task}-{cfg.warm_start_steps}", cfg)
+    base, path = builtin_folders(cfg)
+    path = warm_start(base, path, cfg)
     # what a warm start on the GPU left in PyTorch's cache, back to the GPU: a server is started
     # there next, and vLLM refuses to start with less free memory than its share
     torch.cuda.empty_cache()
     return path
 
 
-def warm_start(base, path, cfg):
+def builtin_folders(cfg):
+    """(the built-in model's folder, built here if absent; its warm start's, maybe not built)."""
+    size = "" if cfg.model_size == "tiny" else f"-{cfg.model_size}"
+    base = tiny_model(TINY_MODEL_DIR + size, **SHAPES[cfg.model_size])
+    return base, f"{base}-{cfg.task}-{cfg.warm_start_steps}"
+
+
+def warm_start(base, path, cfg, each=None):
     """--warm-start-steps supervised steps of 64 of the task's warm_start_data rows on --device: a
     row's "solution" where it has one (sums), else the answer format with a random number
-    (addition); docs/training.md says why."""
+    (addition); docs/training.md says why. `each(step, model, tok)` after every step
+    (bench/warm_start.py's milestones)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(cfg.seed)
@@ -1031,7 +1040,7 @@ def warm_start(base, path, cfg):
     model = load_model(base, cfg.device)
     tok = AutoTokenizer.from_pretrained(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
-    for _ in tqdm(range(cfg.warm_start_steps), desc=f"warm start on {cfg.task}"):
+    for step in tqdm(range(1, cfg.warm_start_steps + 1), desc=f"warm start on {cfg.task}"):
         rows = TASKS[cfg.task].warm_start_data(64, rng.random())
         # addition: any sum 0..8
         answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
@@ -1045,6 +1054,8 @@ def warm_start(base, path, cfg):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        if each:
+            each(step, model, tok)
     save_model(model.cpu(), tok, path)
     return path
 

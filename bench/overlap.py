@@ -5,7 +5,7 @@
     # two GPUs: the 0.5B shape, 64 prompts x 8 x <=256 tokens; one GPU: --device cuda
     python3 bench/overlap.py --device cuda:1
 
-The workload is train.py's own, the one the GPU demo learns on: --task sums (add up 2-16 numbers,
+The workload is train.py's own, the longer of its GPU tasks: --task sums (add up 2-16 numbers,
 writing each running total: completion lengths vary from prompt to prompt, 10-170 tokens; the
 reward scores each total by how close it is, so it varies inside a group) on the built-in model of
 --model-size (train.builtin_model: tiny on the CPU, Qwen2.5-0.5B's shape on GPUs), warm-started on
@@ -241,6 +241,8 @@ def schedule_config(args, model, name, out, **fields):
         group_size=args.group_size,
         max_tokens=args.max_tokens,
         lr=args.lr,
+        # a benchmark's run is kept for its metrics: no checkpoint (GBs beyond the tiny model)
+        checkpoint=False,
         **fields,
     )
 
