@@ -92,7 +92,7 @@ def sums_reward(completion: str, row: dict) -> float:
     return sum(scores) / len(row["totals"])
 
 
-# 2-4 numbers: fewer steps to get right than sums' (a candidate workload for bench/parity.py)
+# 2-4 numbers, fewer steps to get right than sums': the GPU workload of bench/parity.py
 short_sums_data = functools.partial(sums_data, most=4)
 
 

@@ -86,6 +86,19 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     assert re.search(r"(inside|outside) the on-policy band \d", stale), stale
     assert stale.endswith(("target not reached", "x", "sync-batch did not reach it")), stale
     assert (tmp_path / "parity-cpu.png").stat().st_size > 10_000
+    # a run is kept for its metrics: no checkpoint (--no-checkpoint)
+    assert (tmp_path / "runs" / "sync-batch-seed0" / "eval.json").exists()
+    assert not (tmp_path / "runs" / "sync-batch-seed0" / "checkpoint").exists()
+    # in pieces: a third seed's runs are left at --stop-after (1 ns: past before the first run
+    # however fast the machine, where 1 ms was not), and a --reuse of finished runs reports them
+    # without a server (none listens on port 1)
+    flags = ("--schedules", "sync-batch,in-flight K=1", "--reuse")
+    cut = parity(server, tmp_path, *flags, "--seeds", "3", "--stop-after", "1e-9")
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert "--stop-after 1e-09 s: 2 runs left" in cut.stdout and "on-policy band" not in cut.stdout
+    again = parity(server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines()[-6:] == lines[-6:]
 
 
 def test_the_parity_bench_refuses_a_side_that_trained_nothing(server, tmp_path, restore_weights):
@@ -146,3 +159,36 @@ def test_the_trainer_step_bench_checks_both_recipes_give_one_gradient_then_times
     profiles = [line for line in run.stdout.splitlines() if line.startswith("profile ")]
     assert [line.split(":")[0] for line in profiles] == ["profile train.py", "profile TRL"]
     assert "aten::mm" in run.stdout
+
+
+def warm_start_bench(*flags):
+    command = [sys.executable, os.path.join(ROOT, "bench", "warm_start.py"), *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_a_warm_start_milestone_is_the_shorter_warm_start(tmp_path):
+    """bench/warm_start.py saves its milestones where train.builtin_model looks for them: the one at
+    step 3 of a 6-step warm start must be the 3-step warm start itself, step for step."""
+    import torch
+    from safetensors.torch import load_file
+
+    import train
+    from local import tiny_model
+
+    base = tiny_model()
+    for steps in (3, 6):
+        subprocess.run(["rm", "-rf", f"{base}-addition-{steps}"], check=True)
+    run = warm_start_bench("--steps", "6", "--every", "3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = re.findall(r"warm start (\d+): pass@1=([\d.]+) greedy=([\d.]+)", run.stdout)
+    assert [step for step, _, _ in found] == ["3", "6"]
+    assert all(0 <= float(value) <= 1 for _, *values in found for value in values)
+    # the same warm start, stopped at 3 steps, built apart from the milestones
+    direct = train.warm_start(base, str(tmp_path / "direct"), train.Config(warm_start_steps=3))
+    weights = load_file(f"{direct}/model.safetensors")
+    milestone = load_file(f"{base}-addition-3/model.safetensors")
+    assert milestone.keys() == weights.keys()
+    assert all(torch.equal(milestone[name], weights[name]) for name in weights)
+    # built already: measured again only once removed
+    again = warm_start_bench("--steps", "6", "--every", "3")
+    assert again.returncode == 1 and "is built already" in again.stderr
