@@ -6,7 +6,7 @@ doing both, for GRPO steps; then two servers against one for generation alone.
     # CPU: the tiny model (shows it runs; both sides share the same 2 cores)
     .venv/bin/python bench/scale.py
 
-The workload is train.py's own, the one the GPU demo learns on: --task sums (add up 2-16 numbers,
+The workload is train.py's own, the longer of its GPU tasks: --task sums (add up 2-16 numbers,
 writing each running total: completion lengths vary, and the reward, which scores each total by
 how close it is, varies inside a group) on the built-in model of --model-size
 (train.builtin_model: Qwen2.5-0.5B's shape on GPUs, tiny on the CPU), warm-started on worked sums

@@ -8,7 +8,7 @@
     # CPU: the same code on a tiny model (train.py's side; TRL's too where it is installed)
     .venv/bin/python bench/trl_gpu.py --smoke
 
-The workload, the same on every side: train.py's own, the one its GPU demo learns on (--task
+The workload, the same on every side: train.py's own, the longer of its GPU tasks (--task
 sums: add up 2-16 numbers writing each running total, so completion lengths vary; each total
 scores by how close it is, tasks.sums_reward, so rewards vary inside a group), on its built-in
 model of Qwen2.5-0.5B's shape (or 1.5B's; tiny for --smoke) warm-started on worked sums
