@@ -235,8 +235,7 @@ def evaluations(args, name, seed):
     (metrics.jsonl's "eval") and the final one (eval.json), each with the mean reward of its
     samples in eval_samples.jsonl. A run that trained nothing stops the benchmark here."""
     out = folder(args, name, seed)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        history = [json.loads(line) for line in f]
+    history = metrics(args, name, seed)
     refuse_untrained({f"{name} seed {seed}": history})
     results = [(row["step"], row["eval"]) for row in history if "eval" in row]
     with open(os.path.join(out, "eval.json")) as f:
@@ -251,6 +250,12 @@ def evaluations(args, name, seed):
         seconds = sum(row["step_s"] for row in history[:step])
         points.append(Evaluation(step, seconds, result["pass@1"], statistics.mean(rewards)))
     return points
+
+
+def metrics(args, name, seed):
+    """The rows of metrics.jsonl of schedule `name` at `seed`, one a step."""
+    with open(os.path.join(folder(args, name, seed), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 @dataclass
@@ -301,12 +306,32 @@ def report(args, curves):
         for i, point in enumerate(curves["sync-batch"][0]):
             cells = [band(runs, i, measure).show(digits) for runs in curves.values()]
             print(f"{point.step:>5} " + " ".join(f"{cell:>22}" for cell in cells))
+    print(workload(args, curves["sync-batch"]))
     print(f"\nto held-out exact accuracy {args.target}:")
     base = to_target(curves["sync-batch"], args.target)
     on_policy = band(curves["sync-batch"], -1, "accuracy")
     for name, runs in curves.items():
         print(verdict(name, runs, on_policy, to_target(runs, args.target), base))
     draw(curves, args)
+
+
+def workload(args, runs):
+    """Whether the workload can show parity, from sync-batch's runs: where held-out accuracy
+    starts (a window of 10-40%: room to move either way), how far it rises, and whether its
+    samples vary (completion lengths; rewards inside groups, without which GRPO has no signal)."""
+    first = band(runs, 0, "accuracy").median
+    last = band(runs, -1, "accuracy").median
+    where = "inside" if 0.1 <= first <= 0.4 else "outside"
+    rows = [row for seed in range(args.seeds) for row in metrics(args, "sync-batch", seed)]
+    mean_length = statistics.mean(row["completion_length"] for row in rows)
+    longest = max(row["completion_length_max"] for row in rows)
+    varied = 1 - statistics.mean(row["frac_reward_zero_std"] for row in rows)
+    return (
+        f"\nworkload: sync-batch starts at held-out exact accuracy {first:.3f} ({where} the "
+        f"10-40% window) and gains {last - first:+.3f} by step {runs[0][-1].step}; completions "
+        f"{mean_length:.1f} tokens on average, the longest {longest}; rewards differ inside "
+        f"{varied:.0%} of groups"
+    )
 
 
 def verdict(name, runs, on_policy, reached, base):

@@ -82,6 +82,14 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
         assert lines[at + 1].split() == ["step", "sync-batch", "in-flight", "K=1"]
         for row, step in zip(lines[at + 2 : at + 6], (0, 2, 4, 6)):
             assert re.fullmatch(rf" +{step} +{band} +{band}", row), row
+    # whether the workload can show parity: where sync-batch starts, its gain, its samples' spread
+    [workload] = [x for x in lines if x.startswith("workload: ")]
+    assert re.fullmatch(
+        r"workload: sync-batch starts at held-out exact accuracy \d\.\d{3} \((inside|outside) "
+        r"the 10-40% window\) and gains [+-]\d\.\d{3} by step 6; completions \d+\.\d tokens on "
+        r"average, the longest \d+; rewards differ inside \d+% of groups",
+        workload,
+    ), workload
     [stale] = [x for x in lines if x.startswith("in-flight K=1: step 6 accuracy ")]
     assert re.search(r"(inside|outside) the on-policy band \d", stale), stale
     assert stale.endswith(("target not reached", "x", "sync-batch did not reach it")), stale
