@@ -31,6 +31,9 @@ lengths as a run does); then `ours_vs_trl=<TRL ms / ours ms>` (above 1: ours is 
 and `mfu=` (tflops over --peak-tflops, else train.PEAK_TFLOPS's by the GPU's name; None on a
 CPU). With --profile, one more round of each under torch.profiler:
 CPU and GPU time, kernel launches, the costliest operators on the CPU and on the GPU.
+With --compile, one more side, "compiled": train.py's, its layers' attention and MLP compiled
+by torch.compile (compiled_side), checked for the same gradient and timed after the warm-up
+rounds (which compile); then `compiled_vs_eager=<train.py ms / compiled ms>` and the graphs made.
 """
 
 import argparse
@@ -68,6 +71,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--profile", action="store_true", help="then profile one round of each (torch.profiler)"
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="one more side: train.py's through decoder layers compiled by torch.compile",
+    )
     return p.parse_args(argv)
 
 
@@ -97,6 +105,28 @@ def ours(model, cfg, prompts, completions, advantages, pad_id):
     ]
     # the FLOPs computed and useful
     return train.backward(model, seqs, advantages, 0, cfg, pad_id)[4]
+
+
+def compiled_side(model):
+    """train.py's side with each decoder layer's attention and MLP compiled by torch.compile
+    (regional compilation; sequence lengths dynamic, so that new lengths do not recompile), the
+    same parameters; the eager modules are back in place after every call. Not the whole layer:
+    transformers records its hidden states there with a ContextVar, where torch.compile breaks
+    the graph and, under gradient checkpointing, falls back to running the layer eagerly."""
+    parts = [(layer, name) for layer in model.model.layers for name in ("self_attn", "mlp")]
+    eager = [getattr(layer, name) for layer, name in parts]
+    compiled = [torch.compile(module, dynamic=True) for module in eager]
+
+    def side(*args):
+        for (layer, name), module in zip(parts, compiled):
+            setattr(layer, name, module)
+        try:
+            return ours(*args)
+        finally:
+            for (layer, name), module in zip(parts, eager):
+                setattr(layer, name, module)
+
+    return side
 
 
 def trl_batch(model, prompts, completions, pad_id):
@@ -199,6 +229,8 @@ def measure(a, path, size, device):
         # only calls with fused_lm_head=True take the patched path: the other sides are unchanged
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
         sides["TRL's own"] = trl_own
+    if a.compile:
+        sides["compiled"] = compiled_side(model)
     args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
     check_same_gradient(model, sides, args)
     times = {name: [] for name in sides}
@@ -274,6 +306,13 @@ def main(argv=None):
     if "TRL's own" in times:
         ratio = statistics.median(times["TRL's own"]) / statistics.median(times["train.py"])
         print(f"ours_vs_trl_own={ratio:.3f}")
+    if "compiled" in times:
+        ratio = statistics.median(times["train.py"]) / statistics.median(times["compiled"])
+        print(f"compiled_vs_eager={ratio:.3f}")
+        # graphs torch.compile made: none would mean the compiled side ran eagerly
+        from torch._dynamo.utils import counters
+
+        print(f"compiled_graphs={counters['stats']['unique_graphs']}")
     for key in ("tflops", "tflops_useful", "mfu"):
         values = [speed[key] for speed in speeds]
         print(f"{key}={statistics.median(values):.4g}" if None not in values else f"{key}=None")

@@ -146,10 +146,10 @@ def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
     assert "speed-up of ours" not in run.stdout
 
 
-def test_the_trainer_step_bench_checks_both_recipes_give_one_gradient_then_times_them():
+def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_them():
     command = [sys.executable, os.path.join(ROOT, "bench", "trainer_step.py"), "--seqs", "8"]
     run = subprocess.run(
-        [*command, "--rounds", "1", "--vary", "--profile"],
+        [*command, "--rounds", "1", "--vary", "--profile", "--compile"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -159,13 +159,24 @@ def test_the_trainer_step_bench_checks_both_recipes_give_one_gradient_then_times
     [gap] = [line for line in run.stdout.splitlines() if line.startswith("the two gradients")]
     assert float(gap.split()[5]) < 1e-4, gap
     assert "ours_vs_trl=" in run.stdout
+    # the compiled side: the same gradient, from graphs torch.compile made
+    prefix = "the gradients of train.py and compiled differ by "
+    [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
+    assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
+    assert "compiled_vs_eager=" in run.stdout
+    [graphs] = [x for x in run.stdout.splitlines() if x.startswith("compiled_graphs=")]
+    assert int(graphs.split("=")[1]) > 0, graphs
     # train.py's speed; no MFU on a CPU, whose peak is not known
     tflops = dict(line.split("=") for line in run.stdout.splitlines() if "tflops" in line)
     assert 0 < float(tflops["tflops_useful"]) <= float(tflops["tflops"])
     assert "mfu=None" in run.stdout.splitlines()
     # one profiled round of each recipe, with the operators that took the most CPU time
     profiles = [line for line in run.stdout.splitlines() if line.startswith("profile ")]
-    assert [line.split(":")[0] for line in profiles] == ["profile train.py", "profile TRL"]
+    assert [line.split(":")[0] for line in profiles] == [
+        "profile train.py",
+        "profile TRL",
+        "profile compiled",
+    ]
     assert "aten::mm" in run.stdout
 
 
