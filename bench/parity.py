@@ -186,8 +186,13 @@ def main():
                 print_setup(args.device, model)
                 client = stack.enter_context(serving(args, model, server_flags))
             train_run(args, client, model, name, seed, trainer | workload)
-    curves = {name: [evaluations(args, name, seed) for seed in range(args.seeds)] for name in names}
-    report(args, curves)
+    # each run's metrics.jsonl, read once: its evaluations and the workload line come from it
+    histories = {name: [metrics(args, name, seed) for seed in range(args.seeds)] for name in names}
+    curves = {
+        name: [evaluations(args, name, seed, history) for seed, history in enumerate(runs)]
+        for name, runs in histories.items()
+    }
+    report(args, curves, histories["sync-batch"])
 
 
 @dataclass
@@ -230,12 +235,11 @@ def train_run(args, client, model, name, seed, settings):
     refuse_untrained({f"{name} seed {seed}": train.train(cfg, client)})
 
 
-def evaluations(args, name, seed):
-    """The evaluations of schedule `name` at `seed`, from its folder, in order: those of its steps
-    (metrics.jsonl's "eval") and the final one (eval.json), each with the mean reward of its
+def evaluations(args, name, seed, history):
+    """The evaluations of schedule `name` at `seed`, in order: those of its steps (`history`, its
+    metrics.jsonl rows, "eval") and the final one (eval.json), each with the mean reward of its
     samples in eval_samples.jsonl. A run that trained nothing stops the benchmark here."""
     out = folder(args, name, seed)
-    history = metrics(args, name, seed)
     refuse_untrained({f"{name} seed {seed}": history})
     results = [(row["step"], row["eval"]) for row in history if "eval" in row]
     with open(os.path.join(out, "eval.json")) as f:
@@ -285,7 +289,7 @@ def to_target(runs, target):
     return None
 
 
-def report(args, curves):
+def report(args, curves, on_policy_histories):
     steps = set()
     for runs in curves.values():
         steps |= {tuple(point.step for point in points) for points in runs}
@@ -306,7 +310,7 @@ def report(args, curves):
         for i, point in enumerate(curves["sync-batch"][0]):
             cells = [band(runs, i, measure).show(digits) for runs in curves.values()]
             print(f"{point.step:>5} " + " ".join(f"{cell:>22}" for cell in cells))
-    print(workload(args, curves["sync-batch"]))
+    print(workload(curves["sync-batch"], on_policy_histories))
     print(f"\nto held-out exact accuracy {args.target}:")
     base = to_target(curves["sync-batch"], args.target)
     on_policy = band(curves["sync-batch"], -1, "accuracy")
@@ -315,14 +319,15 @@ def report(args, curves):
     draw(curves, args)
 
 
-def workload(args, runs):
-    """Whether the workload can show parity, from sync-batch's runs: where held-out accuracy
-    starts (a window of 10-40%: room to move either way), how far it rises, and whether its
-    samples vary (completion lengths; rewards inside groups, without which GRPO has no signal)."""
+def workload(runs, histories):
+    """Whether the workload can show parity, from sync-batch's runs (their evaluations and their
+    metrics.jsonl rows): where held-out accuracy starts (a window of 10-40%: room to move either
+    way), how far it rises, and whether its samples vary (completion lengths; rewards inside
+    groups, without which GRPO has no signal)."""
     first = band(runs, 0, "accuracy").median
     last = band(runs, -1, "accuracy").median
     where = "inside" if 0.1 <= first <= 0.4 else "outside"
-    rows = [row for seed in range(args.seeds) for row in metrics(args, "sync-batch", seed)]
+    rows = [row for history in histories for row in history]
     mean_length = statistics.mean(row["completion_length"] for row in rows)
     longest = max(row["completion_length_max"] for row in rows)
     varied = 1 - statistics.mean(row["frac_reward_zero_std"] for row in rows)

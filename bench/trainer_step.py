@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--compile",
         action="store_true",
-        help="one more side: train.py's through decoder layers compiled by torch.compile",
+        help="one more side: train.py's, each layer's attention and MLP compiled by torch.compile",
     )
     return p.parse_args(argv)
 
