@@ -733,8 +733,10 @@ def test_a_run_stopped_by_sigint_leaves_its_metrics_events_and_plot(
         assert row["truncated"] == 0 or row["completion_length_max"] == cfg.max_tokens
         # on-policy: no stale token, weight 1, none clipped
         assert (row["is_weight_mean"], row["is_weight_max"], row["is_clipped"]) == (1, 1, 0)
-        # the training phase's speed; no MFU on a CPU, whose peak is not known
-        assert 0 < row["tflops_useful"] <= row["tflops"] and row["mfu"] is None
+        # the training phase's speed (none where every group's rewards were equal: nothing
+        # trained); no MFU on a CPU, whose peak is not known
+        assert 0 <= row["tflops_useful"] <= row["tflops"] and row["mfu"] is None
+        assert row["tflops_useful"] > 0 or row["frac_reward_zero_std"] == 1
     assert any(row["truncated"] > 0 for row in rows)
     # drawn after step 2, and again as the run stopped
     drawn_before = (out / "plot-before.txt").read_text()
