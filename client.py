@@ -371,19 +371,28 @@ class Client(AbortsOnError):
         return self._request("GET", "/health", timeout=timeout)
 
     def abort(self, request_id):
-        """Cancel a submitted request on the server (its prompts stop generating) and free it."""
+        """Cancel a submitted request on the server (its prompts stop generating) and free it,
+        waiting at most 30 s (or the client's timeout, if shorter) for the answer."""
         self.pending.pop(request_id, None)
         try:
-            self._request("POST", "/abort", {"request_id": request_id}, timeout=30)
+            timeout = min(30.0, self.timeout)
+            self._request("POST", "/abort", {"request_id": request_id}, timeout=timeout)
         except ServerError as e:
             if e.status != 404:  # 404: it finished and was fetched, or expired, meanwhile
                 raise
 
     def abort_pending(self):
+        """Abort every request submitted and not fetched, as far as the server answers: a server
+        gone or silent (shutting down) ends it at the first abort; the results there expire.
+        Called while an error unwinds, it never raises one of its own in the error's place."""
         for request_id in list(self.pending):
-            # the server may be gone; its results then expire
-            with contextlib.suppress(ServerError, ConnectionError):
+            try:
                 self.abort(request_id)
+            except ServerError:
+                continue
+            except (ConnectionError, requests.RequestException):
+                self.pending.clear()
+                return
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts, is_async=False, **sampling):

@@ -3,10 +3,12 @@
 Run: .venv/bin/python -m pytest tests/test_hardening.py
 """
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -243,6 +245,28 @@ def test_a_failing_caller_aborts_what_it_submitted(client):
             post(client, "/get_future", json={"request_id": f.request_id, "timeout": 0}).status_code
             == 404
         )
+
+
+def test_a_server_that_stops_answering_does_not_replace_the_callers_error():
+    """A server shutting down (its engine died) may take a connection and never answer: aborting
+    what was pending gives up at the first silence, and the caller's own error is what it sees."""
+    # a socket that accepts and never answers stands in for aiohttp in its graceful shutdown
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    silent = Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=1.0)
+    silent.pending = {"a": 1, "b": 1, "c": 1}
+    with pytest.raises(ZeroDivisionError), silent:
+        raise ZeroDivisionError
+    listener.close()
+    # one abort asked and not answered; the other two were not waited for
+    assert len(accepted) == 1 and silent.pending == {}
 
 
 # server.py reads its flags before it imports a model or starts an engine: these refusals are
