@@ -211,8 +211,13 @@ def folder(args, name, seed):
     return os.path.join(args.out, f"{name.replace(' ', '-')}-seed{seed}")
 
 
+# what the report reads of a run: one that lacks any of them is not finished, and --reuse trains it
+RUN_FILES = ("metrics.jsonl", "eval.json", "eval_samples.jsonl")
+
+
 def finished(args, name, seed):
-    return os.path.exists(os.path.join(folder(args, name, seed), "eval.json"))
+    out = folder(args, name, seed)
+    return all(os.path.exists(os.path.join(out, file)) for file in RUN_FILES)
 
 
 def train_run(args, client, model, name, seed, settings):
