@@ -265,6 +265,8 @@ def test_a_server_that_stops_answering_does_not_replace_the_callers_error():
     with pytest.raises(ZeroDivisionError), silent:
         raise ZeroDivisionError
     listener.close()
+    for connection in accepted:
+        connection.close()
     # one abort asked and not answered; the other two were not waited for
     assert len(accepted) == 1 and silent.pending == {}
 
