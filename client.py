@@ -344,6 +344,7 @@ class Client(AbortsOnError):
         self.dtype = None
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
+        self.ipc_handle = None
 
     def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
         """The answer's JSON; with `stream`, the response itself, to read as it comes."""
@@ -522,12 +523,15 @@ class Client(AbortsOnError):
         self.group = None
         self.transport = None
         self.buffers = [None, None]
+        self.ipc_handle = None
 
     def _send_buffer(self, slot, size):
         """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
         if self.buffers[slot] is None or self.buffers[slot].numel() < size:
             self.buffers[slot] = None  # free the old one first
             self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            # ipc: a new buffer needs a new handle
+            self.ipc_handle = None
         return self.buffers[slot][:size]
 
     def update_model_params(self, model, bucket_mb=32, mode="drain", version=0):
@@ -538,13 +542,17 @@ class Client(AbortsOnError):
             return self.update_adapter(model, mode, version)
         if self.transport is None:
             raise RuntimeError("call init_communicator() first")
+        start = time.perf_counter()
         named = self._named_tensors(model)
         buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20, self.dtype)
         if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
             buffer = self._send_buffer(0, buckets[0][0]["size"])
             fill_bucket(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
-            buckets[0][0]["handle"] = share_cuda(buffer)
+            # one handle per buffer: the workers keep it open, a new one they would open again
+            self.ipc_handle = self.ipc_handle or share_cuda(buffer)
+            buckets[0][0]["handle"] = self.ipc_handle
+        pack_s = time.perf_counter() - start
         # an error status here means nothing was sent, and the group stays as it is
         body = {"buckets": [b for b, _ in buckets], "mode": mode, "version": version}
         with self._request("POST", "/update_weights", body, stream=True) as answer:
@@ -565,8 +573,8 @@ class Client(AbortsOnError):
                 # a failed update: the server's workers left the group (or the server exits)
                 self._drop_group()
                 raise
-        # and send_s here, receive_s and load_s in the workers: where the time went
-        self.last_update = {"send_s": send_s, **result}
+        # pack_s and send_s here, receive_s and load_s in the workers: where the time went
+        self.last_update = {"pack_s": pack_s, "send_s": send_s, **result}
         return result["version"]
 
     def update_adapter(self, model, mode="drain", version=0, via=None):

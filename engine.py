@@ -500,8 +500,10 @@ class WeightSyncWorker:
     transport = None
     # the weight group (nccl, gloo)
     group = None
-    # the trainer's buffers, opened once (ipc)
+    # ipc: the last update's buckets, the trainer's buffers opened for them, and their views
+    ipc_buckets = None
     ipc_buffers = []
+    ipc_received = []
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         self.close_communicator()
@@ -520,7 +522,9 @@ class WeightSyncWorker:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
         self.transport = None
         self.group = None
+        self.ipc_buckets = None
         self.ipc_buffers = []
+        self.ipc_received = []
 
     def receive_weights(self, buckets):
         """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
@@ -551,12 +555,15 @@ class WeightSyncWorker:
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
         if self.transport == "ipc":
-            # views straight into the trainer's buffer, on this GPU, kept open for the next update
-            self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-            received = []
-            for buffer, b in zip(self.ipc_buffers, buckets):
-                received += unpack(buffer, b["params"])
-            return received
+            # views straight into the trainer's buffer, on this GPU; while the trainer sends the
+            # same handle and layout (its buffer reused), what was opened and unpacked is kept
+            if buckets != self.ipc_buckets:
+                self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
+                self.ipc_received = []
+                for buffer, b in zip(self.ipc_buffers, buckets):
+                    self.ipc_received += unpack(buffer, b["params"])
+                self.ipc_buckets = buckets
+            return self.ipc_received
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device

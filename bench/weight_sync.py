@@ -125,7 +125,7 @@ def median_seconds(fn, rounds):
 
 
 # the parts of an update (client.last_update, and the wall time of update_model_params)
-PARTS = ("total_s", "send_s", "drain_s", "rpc_s", "receive_s", "load_s", "reset_s")
+PARTS = ("total_s", "pack_s", "send_s", "drain_s", "rpc_s", "receive_s", "load_s", "reset_s")
 
 
 def update_parts(client, model, rounds, **options):
@@ -141,13 +141,13 @@ def update_parts(client, model, rounds, **options):
 
 def describe(name, m):
     """One line: where an update's time went. The trainer sends while the workers receive, inside
-    the collective_rpc; `rest` is HTTP and the trainer's packing."""
-    rest = m["total_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
+    the collective_rpc; `HTTP` is the rest: the request, the server's checks, its answer."""
+    rest = m["total_s"] - m["pack_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
     return (
-        f"{name:<30} {m['total_s']:7.4f} s = drain/pause {m['drain_s']:.4f} + collective_rpc "
-        f"{m['rpc_s']:.4f} (meanwhile: the trainer sends {m['send_s']:.4f}, the worker receives "
-        f"{m['receive_s']:.4f} and loads {m['load_s']:.4f}) + reset/label {m['reset_s']:.4f} + "
-        f"HTTP and packing {rest:.4f}"
+        f"{name:<30} {m['total_s']:7.4f} s = the trainer packs {m['pack_s']:.4f} + drain/pause "
+        f"{m['drain_s']:.4f} + collective_rpc {m['rpc_s']:.4f} (meanwhile: the trainer sends "
+        f"{m['send_s']:.4f}, the worker receives {m['receive_s']:.4f} and loads "
+        f"{m['load_s']:.4f}) + reset/label {m['reset_s']:.4f} + HTTP {rest:.4f}"
     )
 
 
