@@ -34,6 +34,11 @@ CPU and GPU time, kernel launches, the costliest operators on the CPU and on the
 With --compile, one more side, "compiled": train.py's, its layers' attention and MLP compiled
 by torch.compile (compiled_side), checked for the same gradient and timed after the warm-up
 rounds (which compile); then `compiled_vs_eager=<train.py ms / compiled ms>` and the graphs made.
+With --pack, one more side, "packed": train.py's, its sequences packed into one row without
+padding (bench/packing.py: torch's varlen_attn on a GPU), checked for the same gradient; then
+`packed_vs_padded=<train.py ms / packed ms>`; with --compile too, "packed, compiled" and
+`packed_compiled_vs_eager=`. Each side of ours prints its own `tflops= tflops_useful= mfu=`
+(packed: every FLOP computed is useful).
 """
 
 import argparse
@@ -50,6 +55,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+import packing  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
 from local import SHAPES, TINY_MODEL_DIR, launch_server, stop_server, tiny_model  # noqa: E402
@@ -75,6 +81,11 @@ def parse_args(argv=None):
         "--compile",
         action="store_true",
         help="one more side: train.py's, each layer's attention and MLP compiled by torch.compile",
+    )
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="one more side: train.py's loss, the sequences packed into one row (varlen attention)",
     )
     return p.parse_args(argv)
 
@@ -107,7 +118,7 @@ def ours(model, cfg, prompts, completions, advantages, pad_id):
     return train.backward(model, seqs, advantages, 0, cfg, pad_id)[4]
 
 
-def compiled_side(model):
+def compiled_side(model, recipe=ours):
     """train.py's side with each decoder layer's attention and MLP compiled by torch.compile
     (regional compilation; sequence lengths dynamic, so that new lengths do not recompile), the
     same parameters; the eager modules are back in place after every call. Not the whole layer:
@@ -121,12 +132,21 @@ def compiled_side(model):
         for (layer, name), module in zip(parts, compiled):
             setattr(layer, name, module)
         try:
-            return ours(*args)
+            return recipe(*args)
         finally:
             for (layer, name), module in zip(parts, eager):
                 setattr(layer, name, module)
 
     return side
+
+
+def packed(model, *args):
+    """train.py's side, its sequences packed into one row without padding: packing.token_logprobs
+    in train.token_logprobs' place (attention by torch's varlen_attn on a GPU)."""
+    with packing.patched(model):
+        computed, useful = ours(model, *args)
+    # no padding: every FLOP computed is the sequences' own
+    return torch.stack([useful, useful])
 
 
 def trl_batch(model, prompts, completions, pad_id):
@@ -187,10 +207,19 @@ def timed_ms(side, *args, device):
 
 def check_same_gradient(model, sides, args, tolerance=0.05):
     """Exit non-zero unless every side computes the gradient train.py's does (relative to its
-    norm; bf16 autocast on a GPU rounds): each must do the work it is timed for."""
+    norm; bf16 autocast on a GPU rounds): each must do the work it is timed for. A lever (compiled,
+    packed) that fails to run here is said and left out of `sides`, the rest still measured."""
     grads = {}
-    for name, side in sides.items():
-        side(*args)
+    for name, side in list(sides.items()):
+        try:
+            side(*args)
+        except Exception as e:
+            if name in ("train.py", "TRL"):
+                raise
+            print(f"{name} left out, it failed here: {type(e).__name__}: {str(e)[:300]}")
+            del sides[name]
+            model.zero_grad(set_to_none=True)
+            continue
         grads[name] = torch.cat(
             [p.grad.flatten() for p in model.parameters() if p.grad is not None]
         )
@@ -231,10 +260,15 @@ def measure(a, path, size, device):
         sides["TRL's own"] = trl_own
     if a.compile:
         sides["compiled"] = compiled_side(model)
+    if a.pack:
+        sides["packed"] = packed
+        if a.compile:
+            sides["packed, compiled"] = compiled_side(model, packed)
     args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
     check_same_gradient(model, sides, args)
     times = {name: [] for name in sides}
-    speeds = []
+    # the speed of each side of train.py's (those that return their FLOPs)
+    speeds = {name: [] for name in sides}
     for i in range(a.rounds + 2):
         if a.vary:
             prompts, completions = sequences(tok, a.seqs, a.max_tokens, seed=i + 1)
@@ -247,8 +281,8 @@ def measure(a, path, size, device):
             model.zero_grad(set_to_none=True)
             if i >= 2:
                 times[name].append(ms)
-            if i >= 2 and name == "train.py":
-                speeds.append(train.speed_metrics(flops, ms / 1000, cfg))
+            if i >= 2 and flops is not None:
+                speeds[name].append(train.speed_metrics(flops, ms / 1000, cfg))
     if a.profile:
         for name, side in sides.items():
             profile(name, side, args, device)
@@ -313,9 +347,28 @@ def main(argv=None):
         from torch._dynamo.utils import counters
 
         print(f"compiled_graphs={counters['stats']['unique_graphs']}")
-    for key in ("tflops", "tflops_useful", "mfu"):
-        values = [speed[key] for speed in speeds]
-        print(f"{key}={statistics.median(values):.4g}" if None not in values else f"{key}=None")
+    if "packed" in times:
+        ratio = statistics.median(times["train.py"]) / statistics.median(times["packed"])
+        print(f"packed_vs_padded={ratio:.3f}")
+    if "packed, compiled" in times:
+        ratio = statistics.median(times["train.py"]) / statistics.median(times["packed, compiled"])
+        print(f"packed_compiled_vs_eager={ratio:.3f}")
+    # train.py's own, a line each: `tflops=`, `tflops_useful=`, `mfu=`; then each other side of
+    # ours in one line
+    for key in SPEED_KEYS:
+        print(speed_text(key, [r[key] for r in speeds["train.py"]]))
+    for name, rounds in speeds.items():
+        if rounds and name != "train.py":
+            values = (speed_text(key, [r[key] for r in rounds]) for key in SPEED_KEYS)
+            print(f"{name}: {' '.join(values)}")
+
+
+SPEED_KEYS = ("tflops", "tflops_useful", "mfu")
+
+
+def speed_text(key, values):
+    """`key=<median>`, or `key=None` (no MFU on a CPU, whose peak is not known)."""
+    return f"{key}={statistics.median(values):.4g}" if None not in values else f"{key}=None"
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ The layouts, each in its own process (a failure is printed, exactly, and the nex
   ours          one server.py on GPU 0 for all of these; train.train in the child:
                 2 GPUs: trainer on cuda:1, weights over NCCL; 1 GPU: trainer on cuda:0, CUDA IPC;
                 each with sync-batch, overlap, overlap --max-staleness 1 with drain and with
-                in-flight updates, and any --ours-variant
+                in-flight updates, and any --ours-variant; the "packed" variants (named in
+                --ours-variants) train on sequences packed without padding (bench/packing.py)
   trl-server    `trl vllm-serve` (vLLM's own server, NCCL weight transfer) on GPU 0, GRPOTrainer on
                 GPU 1, as TRL's docs lay them out: the server with CUDA_VISIBLE_DEVICES=0, the
                 trainer with CUDA_VISIBLE_DEVICES=1 (to transformers, a process that sees 2 GPUs
@@ -82,6 +83,15 @@ OURS_VARIANTS = {
     "overlap K=1": {"schedule": "overlap", "max_staleness": 1},
     "overlap": {"schedule": "overlap"},
     "sync-batch": {"schedule": "sync-batch"},
+    # train.token_logprobs on the sequences packed into one row (bench/packing.py), not yet kept
+    "in-flight K=1 packed": {
+        "schedule": "overlap",
+        "max_staleness": 1,
+        "update_mode": "in-flight",
+        "pack": True,
+    },
+    "overlap packed": {"schedule": "overlap", "pack": True},
+    "sync-batch packed": {"schedule": "sync-batch", "pack": True},
 }
 # the order they run in, the GPUs each child sees (None: all), and seconds each may take at most;
 # `trl vllm-serve` gets CUDA_VISIBLE_DEVICES=0 from its trainer's child (TRL's documented layout)
@@ -121,8 +131,8 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any engine")
     p.add_argument(
         "--ours-variants",
-        default=",".join(OURS_VARIANTS),
-        help="comma-separated schedules of ours to run",
+        default="in-flight K=1,overlap K=1,overlap,sync-batch",
+        help="comma-separated schedules of ours to run (OURS_VARIANTS: the packed ones too)",
     )
     p.add_argument(
         "--ours-variant",
@@ -259,6 +269,7 @@ def run_ours(a, model, data):
     (2 GPUs: the trainer on cuda:1, NCCL; 1 GPU: on cuda:0 beside the server, CUDA IPC)."""
     import torch
 
+    import packing
     import train
     from client import Client
     from local import launch_server, stop_server
@@ -278,8 +289,12 @@ def run_ours(a, model, data):
         print(f"server.py {' '.join(flags)}; decodes {client.health()['max_num_seqs']} at once")
     try:
         for name, overrides in ours_variants(a).items():
+            # the packed variants: train.token_logprobs is bench/packing.py's while they train
+            overrides = dict(overrides)
+            pack = overrides.pop("pack", False)
             for layout, device in layouts:
-                with reported("ours", layout, name):
+                packed = packing.patched() if pack else contextlib.nullcontext()
+                with reported("ours", layout, name), packed:
                     if gpus:
                         torch.cuda.set_device(device)
                     cfg = ours_config(a, model, data, device, name, overrides)

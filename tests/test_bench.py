@@ -127,13 +127,14 @@ def trl_gpu(server, tmp_path, *flags):
 
 
 def test_the_trl_bench_shows_that_ours_trained(server, tmp_path, restore_weights):
-    run = trl_gpu(server, tmp_path, "--ours-variants", "sync-batch")
+    # the packed variant: train.py's loop, its logprobs from bench/packing.py's packed forward
+    run = trl_gpu(server, tmp_path, "--ours-variants", "sync-batch packed")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "ours CPU sync-batch: frac_reward_zero_std=" in run.stdout
-    assert "speed-up of ours CPU sync-batch" in run.stdout
+    assert "ours CPU sync-batch packed: frac_reward_zero_std=" in run.stdout
+    assert "speed-up of ours CPU sync-batch packed" in run.stdout
     # its training per step, and per 1k completion tokens (the sides' completions differ in length)
     [speed] = [x for x in run.stdout.splitlines() if " s per 1k tokens (" in x]
-    assert speed.startswith("  ours CPU sync-batch: ") and " tokens a step)" in speed, speed
+    assert speed.startswith("  ours CPU sync-batch packed: ") and " tokens a step)" in speed, speed
 
 
 def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
@@ -149,7 +150,7 @@ def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
 def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_them():
     command = [sys.executable, os.path.join(ROOT, "bench", "trainer_step.py"), "--seqs", "8"]
     run = subprocess.run(
-        [*command, "--rounds", "1", "--vary", "--profile", "--compile"],
+        [*command, "--rounds", "1", "--vary", "--profile", "--compile", "--pack"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -164,10 +165,19 @@ def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_
     [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
     assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
     assert "compiled_vs_eager=" in run.stdout
+    # packed without padding (sdpa per sequence on a CPU): the same gradient, no FLOP wasted
+    for side in ("packed", "packed, compiled"):
+        prefix = f"the gradients of train.py and {side} differ by "
+        [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
+        assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
+    [packed] = [x for x in run.stdout.splitlines() if x.startswith("packed: ")]
+    speed = dict(pair.split("=") for pair in packed.removeprefix("packed: ").split())
+    assert float(speed["tflops"]) == float(speed["tflops_useful"]) > 0, packed
     [graphs] = [x for x in run.stdout.splitlines() if x.startswith("compiled_graphs=")]
     assert int(graphs.split("=")[1]) > 0, graphs
     # train.py's speed; no MFU on a CPU, whose peak is not known
-    tflops = dict(line.split("=") for line in run.stdout.splitlines() if "tflops" in line)
+    lines = run.stdout.splitlines()
+    tflops = dict(line.split("=") for line in lines if line.startswith("tflops"))
     assert 0 < float(tflops["tflops_useful"]) <= float(tflops["tflops"])
     assert "mfu=None" in run.stdout.splitlines()
     # one profiled round of each recipe, with the operators that took the most CPU time
@@ -176,6 +186,8 @@ def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_
         "profile train.py",
         "profile TRL",
         "profile compiled",
+        "profile packed",
+        "profile packed, compiled",
     ]
     assert "aten::mm" in run.stdout
 
