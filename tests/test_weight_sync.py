@@ -461,6 +461,13 @@ def test_the_trainer_on_the_servers_gpu_uses_ipc_by_default(server, hf):
         for i in range(3):  # the server keeps the trainer's buffer open: later updates reuse it
             assert server.update_model_params(hf[0]) == v0 + i + 1
         assert server.last_update["receive_s"] < 1.0
+        # the handle, and the views the worker kept of it, carry each later update's new bytes
+        model, tokenizer = hf
+        new = perturbed(model, seed=5)
+        assert server.update_model_params(new) == v0 + 4
+        assert server_greedy(server) == (hf_greedy(new, tokenizer, PROMPTS), {v0 + 4})
+        assert server.update_model_params(model) == v0 + 5
+        assert server_greedy(server) == (hf_greedy(model, tokenizer, PROMPTS), {v0 + 5})
     finally:
         server.close_communicator()
 
