@@ -36,7 +36,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, **
     q = query[0].transpose(0, 1)
     k = key[0].repeat_interleave(groups, 0).transpose(0, 1)
     v = value[0].repeat_interleave(groups, 0).transpose(0, 1)
-    if not q.is_cuda:
+    # FlashAttention takes 16-bit floats: a float32 forward without autocast (train.check_logprobs'
+    # probe) attends by sdpa per sequence, as on a CPU
+    flash = q.is_cuda and (torch.is_autocast_enabled("cuda") or q.dtype != torch.float32)
+    if not flash:
         bounds = cu.tolist()
         outs = [
             F.scaled_dot_product_attention(
