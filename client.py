@@ -345,6 +345,7 @@ class Client(AbortsOnError):
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
         self.ipc_handle = None
+        self.ipc_layout = None
 
     def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
         """The answer's JSON; with `stream`, the response itself, to read as it comes."""
@@ -524,6 +525,7 @@ class Client(AbortsOnError):
         self.transport = None
         self.buffers = [None, None]
         self.ipc_handle = None
+        self.ipc_layout = None
 
     def _send_buffer(self, slot, size):
         """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
@@ -532,6 +534,7 @@ class Client(AbortsOnError):
             self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
             # ipc: a new buffer needs a new handle
             self.ipc_handle = None
+            self.ipc_layout = None
         return self.buffers[slot][:size]
 
     def update_model_params(self, model, bucket_mb=32, mode="drain", version=0):
@@ -547,7 +550,7 @@ class Client(AbortsOnError):
         buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20, self.dtype)
         if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
             buffer = self._send_buffer(0, buckets[0][0]["size"])
-            fill_bucket(buffer, *buckets[0])
+            self._fill_ipc(buffer, *buckets[0])
             torch.cuda.synchronize(self.device)  # the workers read it from another process
             # one handle per buffer: the workers keep it open, a new one they would open again
             self.ipc_handle = self.ipc_handle or share_cuda(buffer)
@@ -576,6 +579,14 @@ class Client(AbortsOnError):
         # pack_s and send_s here, receive_s and load_s in the workers: where the time went
         self.last_update = {"pack_s": pack_s, "send_s": send_s, **result}
         return result["version"]
+
+    def _fill_ipc(self, buffer, bucket, tensors):
+        """fill_bucket for the ipc buffer: its views are made once per layout and kept, and the
+        copies go as one foreach call (290 tensors for a 0.5B model)."""
+        if self.ipc_layout != bucket["params"]:
+            self.ipc_views = [view for _, view in unpack(buffer, bucket["params"])]
+            self.ipc_layout = bucket["params"]
+        torch._foreach_copy_(self.ipc_views, tensors)
 
     def update_adapter(self, model, mode="drain", version=0, via=None):
         """Push a peft model's active LoRA adapter into a server started with --enable-lora, as

@@ -666,11 +666,16 @@ def direct_load(model, weights) -> dict:
     tensor of the first load, go through `model.load_weights` (docs/internals.md#direct-loads)."""
     targets = DIRECT_TARGETS.get(model, {})
     rest = []
+    direct = ([], [])
     for name, tensor in weights:
         if name in targets:
-            targets[name].copy_(tensor)
+            direct[0].append(targets[name])
+            direct[1].append(tensor)
         else:
             rest.append((name, tensor))
+    # one foreach call for every direct copy (torch's multi-tensor kernel, as its optimizers use)
+    if direct[0]:
+        torch._foreach_copy_(*direct)
     if rest:
         with base_layers_in_place(model):
             model.load_weights(rest)
