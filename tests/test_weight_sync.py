@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server as server_module
 import train
-from client import Client, ServerError, pack
+from client import Client, ServerError, fill_bucket, pack
 from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
 from local import launch_server, stop_server
 
@@ -449,6 +449,29 @@ def test_a_transport_the_server_cannot_follow_is_refused(server, body, word):
     assert r.status_code == 400 and word in r.json()["error"]
     assert server.health()["transport"] is None
     assert server.generate(["still serving"], max_tokens=4)[0][0].finish_reason is not None
+
+
+def test_the_ipc_fill_writes_what_fill_bucket_does_through_views_kept_for_the_layout():
+    """Client._fill_ipc (CUDA only in use; its views and copies are the same on a CPU buffer): the
+    bytes of fill_bucket, cast on the way; a second fill of the same layout reuses its views and
+    writes the new values; another layout gets views of its own."""
+    client = Client("http://127.0.0.1:1")
+    named = [(f"w{i}", torch.randn(3, 5 + i)) for i in range(4)]
+    [(bucket, tensors)] = pack(named, math.inf, torch.bfloat16)
+    expected = torch.zeros(bucket["size"], dtype=torch.uint8)
+    buffer = torch.zeros_like(expected)
+    fill_bucket(expected, bucket, tensors)
+    client._fill_ipc(buffer, bucket, tensors)
+    assert torch.equal(buffer, expected)
+    views = client.ipc_views
+    # new values in the same layout (the next update)
+    tensors = [-2 * t for t in tensors]
+    fill_bucket(expected, bucket, tensors)
+    client._fill_ipc(buffer, bucket, tensors)
+    assert torch.equal(buffer, expected) and client.ipc_views is views
+    [(other, tensors)] = pack(named[:2], math.inf, torch.bfloat16)
+    client._fill_ipc(buffer, other, tensors)
+    assert client.ipc_views is not views and len(client.ipc_views) == 2
 
 
 @pytest.mark.gpu
