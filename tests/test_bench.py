@@ -150,7 +150,7 @@ def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
 def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_them():
     command = [sys.executable, os.path.join(ROOT, "bench", "trainer_step.py"), "--seqs", "8"]
     run = subprocess.run(
-        [*command, "--rounds", "1", "--vary", "--profile", "--compile", "--pack"],
+        [*command, "--rounds", "1", "--vary", "--profile", "--compile"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -165,14 +165,6 @@ def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_
     [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
     assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
     assert "compiled_vs_eager=" in run.stdout
-    # packed without padding (sdpa per sequence on a CPU): the same gradient, no FLOP wasted
-    for side in ("packed", "packed, compiled"):
-        prefix = f"the gradients of train.py and {side} differ by "
-        [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
-        assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
-    [packed] = [x for x in run.stdout.splitlines() if x.startswith("packed: ")]
-    speed = dict(pair.split("=") for pair in packed.removeprefix("packed: ").split())
-    assert float(speed["tflops"]) == float(speed["tflops_useful"]) > 0, packed
     [graphs] = [x for x in run.stdout.splitlines() if x.startswith("compiled_graphs=")]
     assert int(graphs.split("=")[1]) > 0, graphs
     # train.py's speed; no MFU on a CPU, whose peak is not known
@@ -186,10 +178,25 @@ def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_
         "profile train.py",
         "profile TRL",
         "profile compiled",
-        "profile packed",
-        "profile packed, compiled",
     ]
     assert "aten::mm" in run.stdout
+
+
+def test_the_trainer_step_bench_packs_sequences_to_the_same_gradient_with_no_flop_wasted():
+    """--pack: bench/packing.py's packed forward (sdpa per sequence on a CPU). Apart from the
+    compiled side: both together would compile a second time (the GPU runs them together)."""
+    command = [sys.executable, os.path.join(ROOT, "bench", "trainer_step.py"), "--seqs", "8"]
+    run = subprocess.run(
+        [*command, "--rounds", "1", "--pack"], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    prefix = "the gradients of train.py and packed differ by "
+    [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
+    assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
+    assert "packed_vs_padded=" in run.stdout
+    [packed] = [x for x in run.stdout.splitlines() if x.startswith("packed: ")]
+    speed = dict(pair.split("=") for pair in packed.removeprefix("packed: ").split())
+    assert float(speed["tflops"]) == float(speed["tflops_useful"]) > 0, packed
 
 
 def warm_start_bench(*flags):
