@@ -765,6 +765,15 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     keep = batch["mask"].to(model.device).flatten() > 0
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
     targets = ids[:, 1:].reshape(-1)[keep]
+    out = output_logprobs(model, hidden, targets, temperature, chunk_tokens)
+    # each kept position's logprob in its place, 0 elsewhere
+    logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, out)
+    return logprobs.view(len(ids), -1).cpu()
+
+
+def output_logprobs(model, hidden, targets, temperature=1.0, chunk_tokens=2048):
+    """(tokens,): log p(target) of each (tokens, H) hidden state through the output layer at the
+    sampling temperature, `chunk_tokens` at a time, each chunk recomputed in backward."""
     head = model.get_output_embeddings()
     # 0 is greedy: no scaling
     scale = 1 / temperature if temperature > 0 else 1.0
@@ -778,9 +787,7 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     for i in range(0, len(targets), chunk_tokens):
         chunk = slice(i, i + chunk_tokens)
         out.append(checkpoint(chunk_logprobs, hidden[chunk], targets[chunk], use_reentrant=False))
-    # each kept position's logprob in its place, 0 elsewhere
-    logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, torch.cat(out))
-    return logprobs.view(len(ids), -1).cpu()
+    return torch.cat(out)
 
 
 def postprocess_logits(logits, config, scale=1.0):

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -104,19 +103,10 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     # padded position t of sequence i (it predicts token t + 1) is packed position cu[i] + t
     keep = batch["mask"].to(device).flatten() > 0
     packed_at = (cu[:-1, None] + torch.arange(ids.shape[1] - 1, device=device)).flatten()[keep]
-    targets = row[packed_at + 1]
-    head = model.get_output_embeddings()
-    scale = 1 / temperature if temperature > 0 else 1.0
-
-    def chunk_logprobs(h, t):
-        logits = train.postprocess_logits(head(h), model.config, scale)
-        return logits.log_softmax(1, dtype=torch.float32).gather(1, t[:, None]).squeeze(1)
-
-    out = []
-    for i in range(0, len(targets), chunk_tokens):
-        h, t = hidden[packed_at[i : i + chunk_tokens]], targets[i : i + chunk_tokens]
-        out.append(checkpoint(chunk_logprobs, h, t, use_reentrant=False))
-    logprobs = torch.zeros(keep.shape, device=device).masked_scatter(keep, torch.cat(out))
+    out = train.output_logprobs(
+        model, hidden[packed_at], row[packed_at + 1], temperature, chunk_tokens
+    )
+    logprobs = torch.zeros(keep.shape, device=device).masked_scatter(keep, out)
     return logprobs.view(len(ids), -1).cpu()
 
 
