@@ -335,24 +335,16 @@ def main(argv=None):
             stop_server(server)
     for name, ms in times.items():
         print(f"{name:9s} {statistics.median(ms):8.1f} ms ({min(ms):.1f}-{max(ms):.1f})")
-    ratio = statistics.median(times["TRL"]) / statistics.median(times["train.py"])
-    print(f"ours_vs_trl={ratio:.3f}")
-    if "TRL's own" in times:
-        ratio = statistics.median(times["TRL's own"]) / statistics.median(times["train.py"])
-        print(f"ours_vs_trl_own={ratio:.3f}")
+    # `name=<slower side's ms / faster side's ms>` for each pair of sides that ran
+    for name, slower, faster in RATIOS:
+        if slower in times and faster in times:
+            ratio = statistics.median(times[slower]) / statistics.median(times[faster])
+            print(f"{name}={ratio:.3f}")
     if "compiled" in times:
-        ratio = statistics.median(times["train.py"]) / statistics.median(times["compiled"])
-        print(f"compiled_vs_eager={ratio:.3f}")
         # graphs torch.compile made: none would mean the compiled side ran eagerly
         from torch._dynamo.utils import counters
 
         print(f"compiled_graphs={counters['stats']['unique_graphs']}")
-    if "packed" in times:
-        ratio = statistics.median(times["train.py"]) / statistics.median(times["packed"])
-        print(f"packed_vs_padded={ratio:.3f}")
-    if "packed, compiled" in times:
-        ratio = statistics.median(times["train.py"]) / statistics.median(times["packed, compiled"])
-        print(f"packed_compiled_vs_eager={ratio:.3f}")
     # train.py's own, a line each: `tflops=`, `tflops_useful=`, `mfu=`; then each other side of
     # ours in one line
     for key in SPEED_KEYS:
@@ -364,6 +356,14 @@ def main(argv=None):
 
 
 SPEED_KEYS = ("tflops", "tflops_useful", "mfu")
+# the ratios printed: (name, the side divided, the side it is divided by)
+RATIOS = (
+    ("ours_vs_trl", "TRL", "train.py"),
+    ("ours_vs_trl_own", "TRL's own", "train.py"),
+    ("compiled_vs_eager", "train.py", "compiled"),
+    ("packed_vs_padded", "train.py", "packed"),
+    ("packed_compiled_vs_eager", "train.py", "packed, compiled"),
+)
 
 
 def speed_text(key, values):
