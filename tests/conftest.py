@@ -86,7 +86,8 @@ def start_session_server(log_path):
     tools = [f"--tool={name}=tests.my_tools:{name}" for name in SESSION_TOOLS]
     if HAS_MCP:
         tools += ["--mcp", f"arith={sys.executable} {MCP_TOOLS}"]
-    return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "2", log_path=log_path)
+    # 5 s: a stdio MCP call on the loaded 2-core machine has taken more than 2
+    return start_server(*tools, *GPU_FLAGS, "--tool-timeout", "5", log_path=log_path)
 
 
 @pytest.fixture(scope="session", autouse=True)
