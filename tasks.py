@@ -30,7 +30,7 @@ def calculator_data(n, seed):
 
 def power_data(n, seed):
     """The MCP tool task: a power of two digits, "7^5=" -> "16807", which the tiny model cannot
-    compute but the `power` tool of mcp_arith.py can (called with two arguments)."""
+    compute but the `power` tool of examples/mcp_arith.py can (called with two arguments)."""
     rng = random.Random(seed)
     pairs = [(rng.randrange(2, 10), rng.randrange(2, 10)) for _ in range(n)]
     call = '<tool>power {{"base":{},"exponent":{}}}</tool>'.format

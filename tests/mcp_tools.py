@@ -1,5 +1,5 @@
-"""A real MCP server for the server's --mcp flag (tests/test_rollout.py): mcp_arith.py's
-well-behaved tools and misbehaving ones.
+"""A real MCP server for the server's --mcp flag (tests/test_rollout.py): the tools of
+examples/mcp_arith.py, well-behaved, and misbehaving ones.
 
     python server.py --mcp 'arith=python tests/mcp_tools.py'                 # stdio
     python tests/mcp_tools.py --port 8123 & python server.py --mcp arith=http://127.0.0.1:8123/mcp
@@ -9,7 +9,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+)
 
 from mcp_arith import main, mcp  # noqa: E402
 

@@ -1,8 +1,8 @@
 """An MCP server of arithmetic tools, written with the `mcp` package: the `power` tool that
 `train.py --task power` trains with, and an example of an MCP server for the server's --mcp flag.
 
-    python server.py --mcp 'arith=python mcp_arith.py'                          # stdio
-    python mcp_arith.py --port 8123 & python server.py --mcp arith=http://127.0.0.1:8123/mcp
+    python server.py --mcp 'arith=python examples/mcp_arith.py'                          # stdio
+    python examples/mcp_arith.py --port 8123 & python server.py --mcp arith=http://127.0.0.1:8123/mcp
 """
 
 import argparse
