@@ -13,7 +13,8 @@ Where this departs from the GRPO paper:
    default) every sample comes from the weights it trains, exactly on-policy, and the loop checks
    each sample's version; with 1, samples are one version old and weighted by truncated IS.
 2. No KL penalty and no reference model.
-3. The loss is token-level, normalised by all completion tokens of the optimizer step.
+3. The loss is token-level, normalised by all completion tokens of the optimizer step (TRL's
+   dapo; --loss-type grpo and dr_grpo as TRL's).
 """
 
 import argparse
@@ -104,6 +105,8 @@ class Config:
     temperature: float = flag(1.0, "sampling temperature")
     lr: float = flag(1e-3, "AdamW learning rate")
     max_grad_norm: float = flag(1.0, "gradient clipping")
+    loss_type: str = flag("dapo", "TRL's: the loss divisor", ["dapo", "grpo", "dr_grpo"])
+    scale_rewards: str = flag("group", "TRL's: advantages / the std of", ["group", "batch", "none"])
     # memory
     train_micro_batch: int = flag(0, "sequences per forward/backward (0: all)", at_least=0)
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
@@ -422,7 +425,7 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
     tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
-    stats = {"tokens": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
+    stats = {"divisor": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
     reward_fn = reward_function(cfg)
@@ -439,11 +442,11 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             check_versions(rollouts, seqs, version - queued.version)
             rewards = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
-            advantages = group_advantages(rewards).flatten()
-            tokens, is_weights, deltas, loss, flops = policy.backward(
+            advantages = group_advantages(rewards, cfg.scale_rewards).flatten()
+            divisor, is_weights, deltas, loss, flops = policy.backward(
                 seqs, advantages, version, tok.pad_token_id, measure_all
             )
-            stats["tokens"] += tokens
+            stats["divisor"] += divisor
             stats["loss"] += loss
             stats["flops"] += flops
             # how many versions behind ours the weights that sampled each completion token are
@@ -601,14 +604,18 @@ def per_token(spans, offset, length):
     return versions
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """(prompts, G) rewards -> advantages normalised within each group. A group whose rewards are
+def group_advantages(rewards: torch.Tensor, scale="group") -> torch.Tensor:
+    """(prompts, G) rewards -> advantages: minus the group's mean, over the std of `scale` (TRL's
+    scale_rewards: "group", "batch" of the micro-batch's groups, "none"). A group whose rewards are
     all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
     `backward` can skip it."""
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
+    advantages = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "group":
+        advantages /= rewards.std(dim=1, keepdim=True) + 1e-4
+    elif scale == "batch":
+        advantages /= rewards.std() + 1e-4
     equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(equal, 0.0, (rewards - mean) / (std + 1e-4))
+    return torch.where(equal, 0.0, advantages)
 
 
 class Policy:
@@ -644,12 +651,12 @@ class Policy:
 
     def step(self, stats):
         """Normalise the step's summed gradient, clip it and step the optimizer."""
-        # the loss normalisation: divide the summed gradient by every completion token of the step
-        # (under torchrun FSDP has averaged the ranks' gradients: hence tokens / ranks)
+        # the loss normalisation: divide the summed gradient by the step's loss_divisor (dapo:
+        # every completion token; under torchrun FSDP has averaged the ranks' gradients: / ranks)
         with timed(stats["train"]):
             for p in self.model.parameters():
                 if p.grad is not None:
-                    p.grad /= max(stats["tokens"], 1) / self.ranks
+                    p.grad /= max(stats["divisor"], 1) / self.ranks
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             stats["grad_norm"] = norm.item()
             self.opt.step()
@@ -668,13 +675,13 @@ class Policy:
 
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, skip=True):
     """Accumulate the policy gradient of `seqs` on our weights `version`, --train-micro-batch
-    sequences per forward. Returns the completion tokens, the stale tokens' importance weights,
+    sequences per forward. Returns their loss_divisor, the stale tokens' importance weights,
     the trainer-minus-server logprobs, the summed loss and chunk_backward's FLOPs
     (docs/training.md)."""
-    # every completion token counts in the step's divisor: the skipped samples' below too
-    tokens = sum(sum(seq.mask[1:]) for seq in seqs)
+    # every sample counts in the step's divisor: the skipped ones below too
+    divisor = loss_divisor(seqs, cfg)
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
-    # nothing to the gradient: no forward or backward for it. Its tokens stay in `tokens`, so the
+    # nothing to the gradient: no forward or backward for it. It stays in `divisor`, so the
     # step's summed and normalised gradient is the one it would be without the skip.
     # (not with `skip` off, as under torchrun: there every rank must run as many forward/backward
     # passes as the others, FSDP's gathers being collective)
@@ -699,7 +706,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, s
             deltas.append(d)
             loss += chunk_loss
             flops += chunk_flops
-    return tokens, torch.cat(weights), torch.cat(deltas), loss, flops
+    return divisor, torch.cat(weights), torch.cat(deltas), loss, flops
 
 
 def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
@@ -718,7 +725,7 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     with autocast, torch.set_grad_enabled(grad):
         logprobs = token_logprobs(model, batch, cfg.temperature)  # (b, T-1)
     old, sampled = batch["old_logprobs"], batch["mask"] > 0
-    loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap)
+    loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap, cfg.loss_type)
     if grad:
         loss.backward()
     lengths = [len(seq.ids) for seq in seqs]
@@ -804,13 +811,25 @@ def postprocess_logits(logits, config, scale=1.0):
     return logits.float() * scale
 
 
-def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0):
+def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0, loss_type="dapo"):
     """The policy-gradient loss -w * A * log p(token), summed over the `mask`ed tokens, and w: 1
     on-policy, truncated importance sampling min(p / p_old, is_cap) on `stale` tokens, without
-    gradient (docs/training.md). The caller divides by the step's completion tokens."""
+    gradient (docs/training.md). The caller divides the step's sum by loss_divisor."""
     ratio = torch.exp(logprobs.detach() - old_logprobs).clamp(max=is_cap)
     w = torch.where(stale, ratio, torch.ones_like(ratio))
+    if loss_type == "grpo":
+        # each sequence's mean over its own tokens: loss_divisor then counts sequences
+        mask = mask / mask.sum(1, keepdim=True).clamp(min=1)
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
+
+
+def loss_divisor(seqs, cfg):
+    """The share of `seqs` in what the step's summed loss is divided by (TRL's loss_type): dapo,
+    their completion tokens; grpo, their number (pg_loss took each one's mean); dr_grpo, a
+    constant: their number x --max-tokens."""
+    if cfg.loss_type == "dapo":
+        return sum(sum(seq.mask[1:]) for seq in seqs)
+    return len(seqs) * (cfg.max_tokens if cfg.loss_type == "dr_grpo" else 1)
 
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
@@ -829,8 +848,8 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "step": step,
         "reward": rewards.mean().item(),
         "accuracy": (rewards >= cfg.success_threshold).float().mean().item(),
-        # what the gradient is of: the summed loss over the step's completion tokens
-        "loss": stats["loss"] / max(stats["tokens"], 1),
+        # what the gradient is of: the summed loss over the step's loss_divisor
+        "loss": stats["loss"] / max(stats["divisor"], 1),
         # of the sampled tokens, estimated by them: mean -log p
         "entropy": -stats["sampled_logprobs"].mean().item(),
         "completion_length": lengths.mean().item(),
@@ -843,7 +862,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "prompts_crc32": stats["prompts_crc32"],
         "schedule": cfg.schedule,
         "grad_norm": stats["grad_norm"],
-        "tokens": stats["tokens"],
+        "tokens": int(lengths.sum()),
         "gen_s": gen_s,
         "train_s": train_s,
         "sync_s": sync_s,
@@ -1458,11 +1477,11 @@ class ShardedPolicy(Policy):
         shares = [None] * self.ranks
         dist.all_gather_object(shares, (weights, deltas, loss, flops))
         weights, deltas, losses, flops = zip(*shares)
-        tokens = sum(sum(seq.mask[1:]) for seq in seqs)
-        return tokens, torch.cat(weights), torch.cat(deltas), sum(losses), sum(flops)
+        divisor = loss_divisor(seqs, self.cfg)
+        return divisor, torch.cat(weights), torch.cat(deltas), sum(losses), sum(flops)
 
     def step(self, stats):
-        lead("step", {"tokens": stats["tokens"], "train": []})
+        lead("step", {"divisor": stats["divisor"], "train": []})
         super().step(stats)
 
     def zero_grad(self):

@@ -18,6 +18,7 @@ import sys
 import termios
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -40,19 +41,26 @@ def random_batch(n, seed):
     return prompts, completions, torch.randn(n, generator=g)
 
 
-def step_gradient(model, prompts, completions, advantages, micro_batches):
-    """The trainer's recipe: summed losses per micro-batch, then one division by all tokens."""
+def step_gradient(model, prompts, completions, advantages, micro_batches, loss_type="dapo"):
+    """The trainer's recipe: summed losses per micro-batch, then one division by the step's
+    loss_divisor (dapo: all tokens)."""
     model.zero_grad()
-    tokens, size = 0, len(prompts) // micro_batches
+    size = len(prompts) // micro_batches
     for i in range(0, len(prompts), size):
         batch = train.make_batch(prompts[i : i + size], completions[i : i + size], pad_id=1)
         logprobs = train.token_logprobs(model, batch)
         on_policy = torch.zeros_like(logprobs, dtype=torch.bool)
-        train.pg_loss(
-            logprobs, logprobs.detach(), advantages[i : i + size], batch["mask"], on_policy
-        )[0].backward()
-        tokens += batch["mask"].sum()
-    return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
+        part = advantages[i : i + size]
+        loss, _ = train.pg_loss(
+            logprobs, logprobs.detach(), part, batch["mask"], on_policy, loss_type=loss_type
+        )
+        loss.backward()
+    seqs = [
+        types.SimpleNamespace(mask=[0] * len(p) + [1] * len(c))
+        for p, c in zip(prompts, completions)
+    ]
+    divisor = train.loss_divisor(seqs, types.SimpleNamespace(loss_type=loss_type, max_tokens=8))
+    return torch.cat([p.grad.flatten() / divisor for p in model.parameters()])
 
 
 def test_micro_batches_give_the_gradient_of_one_batch(model_path):
@@ -64,19 +72,21 @@ def test_micro_batches_give_the_gradient_of_one_batch(model_path):
     assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)
 
 
-def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path):
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_any_composition_of_micro_batches_gives_the_same_gradient(model_path, loss_type):
     """The overlap forms micro-batches in completion order: any permutation and split of the step's
-    sequences must give the same summed gradient."""
+    sequences must give the same summed gradient, whatever the --loss-type."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     prompts, completions, advantages = random_batch(16, seed=1)
     order = torch.randperm(16, generator=torch.Generator().manual_seed(2)).tolist()
-    one = step_gradient(model, prompts, completions, advantages, micro_batches=1)
+    one = step_gradient(model, prompts, completions, advantages, 1, loss_type)
     shuffled = step_gradient(
         model,
         [prompts[i] for i in order],
         [completions[i] for i in order],
         advantages[order],
-        micro_batches=8,
+        8,
+        loss_type,
     )
     assert torch.allclose(one, shuffled, atol=1e-6, rtol=1e-4)
 
@@ -266,6 +276,34 @@ def test_equal_rewards_give_zero_advantage_and_no_nan():
     assert not adv.isnan().any()
     assert adv[:2].abs().max() == 0
     assert adv[2].sum().abs() < 1e-5 and adv[2].abs().min() > 0.5
+
+
+@pytest.mark.parametrize(
+    # two sequences, advantages 1 and -1: -A log p sums to 6 over 3 tokens, and -4 over 1
+    "loss_type, expected",
+    [("dapo", (6 - 4) / 4), ("grpo", (6 / 3 - 4 / 1) / 2), ("dr_grpo", (6 - 4) / (2 * 5))],
+)
+def test_each_loss_type_divides_the_loss_as_trl_does(loss_type, expected):
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    on_policy = torch.zeros(2, 3, dtype=torch.bool)
+    loss, _ = train.pg_loss(
+        logprobs, logprobs, torch.tensor([1.0, -1.0]), mask, on_policy, 2.0, loss_type
+    )
+    # what backward counts: a prompt token, then the completion's (--max-tokens 5)
+    seqs = [types.SimpleNamespace(mask=[0, 1, 1, 1]), types.SimpleNamespace(mask=[0, 1])]
+    cfg = types.SimpleNamespace(loss_type=loss_type, max_tokens=5)
+    assert loss / train.loss_divisor(seqs, cfg) == pytest.approx(expected)
+
+
+def test_scale_rewards_divides_by_the_std_of_each_group_the_batch_or_nothing():
+    rewards = torch.tensor([[0.0, 1.0], [2.0, 4.0], [1.0, 1.0]])
+    # the stds: of the groups sqrt(1/2) and sqrt(2); of all six rewards sqrt(9.5 / 5)
+    expected = {"group": [0.5 / 0.5**0.5, 1 / 2**0.5], "batch": [0.5 / 1.9**0.5, 1 / 1.9**0.5]}
+    expected["none"] = [0.5, 1.0]
+    for scale, (first, second) in expected.items():
+        by_hand = torch.tensor([[-first, first], [-second, second], [0.0, 0.0]])
+        assert torch.allclose(train.group_advantages(rewards, scale), by_hand, atol=1e-3), scale
 
 
 def test_reward_reads_the_last_number():
