@@ -1,5 +1,6 @@
 """The built-in tasks (train.py --task): each one's data, (n, seed) -> rows, and reward,
-(completion, row) -> [0, 1], and the `TASKS` table that names them."""
+(completion, row) -> [0, 1], and the `TASKS` table that names them; and rewards for data of one's
+own, named by --reward tasks:NAME (math_reward, gsm8k_reward, format_reward)."""
 
 import functools
 import itertools
@@ -90,6 +91,36 @@ def sums_reward(completion: str, row: dict) -> float:
     written = [int(number) for number in re.findall(r"=(\d+)", completion)]
     scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
     return sum(scores) / len(row["totals"])
+
+
+def math_reward(completion: str, row: dict) -> float:
+    """1 if the completion's answer (its last \\boxed{...}, else its last expression) equals the
+    row's "answer" as math-verify reads both (fractions, LaTeX, ...), else 0."""
+    # math-verify times out by signal.alarm: called from the main thread only (train.py's loop)
+    from math_verify import parse, verify
+
+    return float(verify(parse(str(row["answer"])), parse(completion)))
+
+
+def gsm8k_reward(completion: str, row: dict) -> float:
+    """1 if the completion's answer (the last number after its last "####", or in it if it has none)
+    is the number after "####" in the row's GSM8K answer ("... #### 1,234"), else 0."""
+
+    # the text after the last "####" (all of it where there is none), without thousands' commas
+    def final(text):
+        return str(text).split("####")[-1].replace(",", "")
+
+    return reward(final(completion), final(row["answer"]))
+
+
+# <think>, a reasoning, </think>, then an answer: what an R1-style prompt asks for
+FORMAT_PATTERN = r"\s*<think>.*?</think>\s*\S.*"
+
+
+def format_reward(completion: str, row: dict) -> float:
+    """1 if the whole completion matches the row's "format_pattern" (a regular expression, `.`
+    matching newlines too), else FORMAT_PATTERN; else 0."""
+    return float(bool(re.fullmatch(row.get("format_pattern") or FORMAT_PATTERN, completion, re.S)))
 
 
 # 2-4 numbers, fewer steps to get right than sums': the GPU workload of bench/parity.py

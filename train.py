@@ -77,8 +77,9 @@ class Config:
     model_size: str = flag("tiny", "the built-in model's shape (local.SHAPES)", list(SHAPES))
     warm_start_steps: int = flag(100, "supervised steps teaching the built-in model the task")
     dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
-    reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
-    success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
+    reward: str = flag("", "module:function,...: (completion, row) -> [0, 1] or None (Rewards)")
+    reward_weights: str = flag("", "w1,w2,...: each --reward's weight in the sum (default 1)")
+    success_threshold: float = flag(1.0, "a reward (the sum) of at least this is a success")
     task: str = flag("addition", "the built-in data, reward and tools (TASKS)", lambda: list(TASKS))
     max_turns: int = flag(3, "tool episodes: model turns per episode", at_least=1)
     tools: str = flag("", "tool episodes with these server tools, NAME,... (calculator: calc)")
@@ -148,8 +149,8 @@ class Config:
             )
         if self.dataset and not os.path.exists(self.dataset):
             raise ValueError(f"no dataset file {self.dataset}")
-        if not 0 < self.success_threshold <= 1:
-            raise ValueError("success_threshold must be in (0, 1]")
+        if self.success_threshold <= 0:
+            raise ValueError("success_threshold must be > 0")
         if self.resume and not os.path.exists(state_path(self.resume)):
             raise ValueError(f"--resume {self.resume}: no {state_path(self.resume)}")
         if model_error(self.model):
@@ -165,7 +166,7 @@ class Config:
         # under torchrun, rank r takes GPU r
         if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device} under torchrun: use cuda or cpu")
-        reward_function(self)
+        reward_functions(self)
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
@@ -423,12 +424,14 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     rollouts.submit_queued()
     queued = rollouts.queue[0]
     version = rollouts.version
-    tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
+    tensors = {"rewards": [], "each_reward": [], "staleness": [], "is_weights": []}
+    tensors["logprob_deltas"] = []
     tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
     stats = {"divisor": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
-    reward_fn = reward_function(cfg)
+    rewards = reward_functions(cfg)
+    stats["reward_names"] = rewards.names
     # samples: [prompt][G] Completion or Episode
     for rows, samples, times in collect(rollouts.client, queued.rows, queued.requests, cfg):
         stats["gen"].append([min(t["started"] for t in times), max(t["finished"] for t in times)])
@@ -437,12 +440,12 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             # B = prompts * G
             seqs = []
             for row, group in zip(rows, samples):
-                seqs += [sequence(row, sample, reward_fn) for sample in group]
+                seqs += [sequence(row, sample, rewards) for sample in group]
             # the step was submitted that many pushes ago
             check_versions(rollouts, seqs, version - queued.version)
-            rewards = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
+            totals = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
-            advantages = group_advantages(rewards, cfg.scale_rewards).flatten()
+            advantages = group_advantages(totals, cfg.scale_rewards).flatten()
             divisor, is_weights, deltas, loss, flops = policy.backward(
                 seqs, advantages, version, tok.pad_token_id, measure_all
             )
@@ -452,7 +455,9 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
             tensors["staleness"].append(torch.tensor(lags))
-            tensors["rewards"].append(rewards.flatten())
+            tensors["rewards"].append(totals.flatten())
+            # (B, functions): NaN where a function does not apply
+            tensors["each_reward"].append(torch.tensor([seq.rewards for seq in seqs]))
             tensors["is_weights"].append(is_weights)
             tensors["logprob_deltas"].append(deltas)
             # per sample: the tokens it sampled, and whether --max-tokens cut it
@@ -550,13 +555,15 @@ def collect(client, rows, futures, cfg):
 class Sample:
     """One sample as the trainer reads it: token ids (the prompt's as the server tokenised it), loss
     mask (1 = sampled by the model), behaviour logprobs (None where not sampled), the weight
-    version of each token, its reward, and whether --max-tokens cut it."""
+    version of each token, its reward (the sum) and each function's, and whether --max-tokens cut
+    it."""
 
     ids: list
     mask: list
     logprobs: list
     versions: list
     reward: float = 0.0
+    rewards: list = ()
     truncated: bool = False
     # tool calls of an episode
     tool_calls: int = 0
@@ -566,32 +573,34 @@ class Sample:
         return [value for value, m in zip(values, self.mask) if m]
 
 
-def sequence(row, sample, reward_fn) -> Sample:
-    """A Completion or Episode as a Sample, its reward `reward_fn` of the completion and the row."""
+def sequence(row, sample, rewards) -> Sample:
+    """A Completion or Episode as a Sample, its rewards (Rewards) of the completion and the row."""
     # Client.session's episode is None when the calls do not continue one another token for token
     if sample is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
     if isinstance(sample, Episode):
         # an episode merged from a session has no spans: its first turn's version
         spans = sample.versions or [[sample.turns[0]["version"], 0]]
-        return Sample(
+        seq = Sample(
             ids=sample.token_ids,
             mask=sample.loss_mask,
             logprobs=sample.logprobs,
             versions=per_token(spans, 0, len(sample.token_ids)),
-            reward=score(reward_fn, sample.turns[-1]["text"], row),
-            truncated=sample.finish_reason == "length",
             tool_calls=len(sample.tool_calls),
         )
-    prompt = sample.prompt_token_ids
-    return Sample(
-        ids=prompt + sample.token_ids,
-        mask=[0] * len(prompt) + [1] * len(sample.token_ids),
-        logprobs=[None] * len(prompt) + sample.logprobs,
-        versions=per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
-        reward=score(reward_fn, sample.text, row),
-        truncated=sample.finish_reason == "length",
-    )
+        text = sample.turns[-1]["text"]
+    else:
+        prompt = sample.prompt_token_ids
+        seq = Sample(
+            ids=prompt + sample.token_ids,
+            mask=[0] * len(prompt) + [1] * len(sample.token_ids),
+            logprobs=[None] * len(prompt) + sample.logprobs,
+            versions=per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
+        )
+        text = sample.text
+    seq.truncated = sample.finish_reason == "length"
+    seq.reward, seq.rewards = rewards(text, row)
+    return seq
 
 
 def per_token(spans, offset, length):
@@ -875,6 +884,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "is_weight_max": w.max().item(),
         "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(stats["is_weights"]) else 0.0,
         **mismatch_metrics(stats["logprob_deltas"]),
+        **reward_metrics(stats["reward_names"], stats["each_reward"]),
         "intervals": {
             k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in stats[k]]
             for k in ("gen", "train", "sync")
@@ -883,6 +893,13 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
+
+
+def reward_metrics(names, each_reward):
+    """reward/<name>: each reward function's mean over the samples it applies to (TRL's), of
+    `each_reward` (samples, functions), NaN where one does not apply; None where none does."""
+    means = each_reward.nanmean(dim=0).tolist()
+    return {f"reward/{name}": None if math.isnan(m) else m for name, m in zip(names, means)}
 
 
 # dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
@@ -952,6 +969,10 @@ def show_progress(bar, row):
     """The step's reward, accuracy, seconds and TFLOP/s (MFU where the peak is known) on the bar,
     or where it is off (stderr is no terminal) in a line."""
     progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s", "tflops")}
+    each = {key: value for key, value in row.items() if key.startswith("reward/")}
+    # several rewards: each one's mean beside the sum
+    if len(each) > 1:
+        progress |= {key: "-" if value is None else f"{value:.2f}" for key, value in each.items()}
     if row["mfu"] is not None:
         progress["mfu"] = f"{row['mfu']:.3f}"
     bar.set_postfix(progress)
@@ -1093,7 +1114,7 @@ def load_data(cfg):
     if not cfg.dataset:
         data = TASKS[cfg.task].data(100_000, cfg.seed)
     else:
-        data = read_dataset(cfg.dataset, reward_function(cfg))
+        data = read_dataset(cfg.dataset, reward_functions(cfg))
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
@@ -1108,7 +1129,7 @@ def load_data(cfg):
     return data, held_out
 
 
-def read_dataset(path, reward_fn):
+def read_dataset(path, rewards):
     """The rows of a jsonl file, every one checked before anything is generated (a string
     "prompt" and "task", which defaults to the file's name, that the reward can score).
     Raises ValueError naming the bad lines."""
@@ -1129,7 +1150,7 @@ def read_dataset(path, reward_fn):
                 raise ValueError(
                     f'"answer" is {json.dumps(row["answer"])}: nothing to score against'
                 )
-            score(reward_fn, "", row)
+            rewards("", row)
             rows.append(row)
         except Exception as e:
             # what the reward raised, if it raised (score names the row otherwise)
@@ -1141,16 +1162,38 @@ def read_dataset(path, reward_fn):
     return rows
 
 
-# -- the reward: --reward's function, or the task's ------------------------------------------------
-def reward_function(cfg):
-    """--reward's function (module:function, importable from here), else the task's own."""
+# -- the reward: --reward's functions, or the task's ----------------------------------------------
+class Rewards:
+    """Reward functions and their weights (TRL's reward_funcs, reward_weights): a sample's reward is
+    the weighted sum of those that apply to it (a function returns None where it does not: absent
+    from the sum, not 0, TRL's nansum)."""
+
+    def __init__(self, functions, weights=None):
+        self.functions = functions
+        self.weights = weights or [1.0] * len(functions)
+        self.names = [function.__name__ for function in functions]
+
+    def __call__(self, completion, row) -> tuple[float, list]:
+        """(the weighted sum, each function's reward: NaN where it does not apply)."""
+        each = [score(function, completion, row) for function in self.functions]
+        total = sum(w * r for w, r in zip(self.weights, each) if not math.isnan(r))
+        return total, each
+
+
+def reward_functions(cfg) -> Rewards:
+    """--reward's functions (module:function, importable from here; a comma list, or the flag
+    given again) with --reward-weights, else the task's own reward."""
     if not cfg.reward:
-        return answer_reward if cfg.dataset else TASKS[cfg.task].reward
-    return load_function(cfg.reward, "--reward")
+        return Rewards([answer_reward if cfg.dataset else TASKS[cfg.task].reward])
+    functions = [load_function(spec, "--reward") for spec in cfg.reward.split(",")]
+    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
+    if weights and len(weights) != len(functions):
+        raise ValueError(f"--reward-weights {cfg.reward_weights}: a weight for each --reward")
+    return Rewards(functions, weights)
 
 
 def score(reward_fn, completion, row) -> float:
-    """One completion's reward, checked to be a number in [0, 1]."""
+    """One function's reward of a completion, checked to be a number in [0, 1] or None (NaN)."""
     try:
         value = reward_fn(completion, row)
     except Exception as e:
@@ -1158,6 +1201,8 @@ def score(reward_fn, completion, row) -> float:
             f"the reward {reward_fn.__module__}:{reward_fn.__name__} raised {type(e).__name__}: "
             f"{e}, scoring the completion {completion!r} of the row {row!r}"
         ) from e
+    if value is None:
+        return math.nan
     if not (isinstance(value, (int, float)) and 0 <= value <= 1):
         raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
     return float(value)
@@ -1181,7 +1226,7 @@ def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's weights, each added to
     --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
     eval_metrics' pass@k and maj@k."""
-    reward_fn = reward_function(cfg)
+    rewards = reward_functions(cfg)
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
         if len(samples) != cfg.eval_n:
@@ -1190,7 +1235,7 @@ def evaluate(client, rows, cfg):
         for sample in samples:
             episode = isinstance(sample, Episode)
             text = sample.turns[-1]["text"] if episode else sample.text
-            reward = score(reward_fn, text, row)
+            reward, _ = rewards(text, row)
             group.append(
                 {
                     "prompt": row["prompt"],

@@ -77,7 +77,7 @@ def main():
     )
     base, final = train.builtin_folders(cfg)
     _, held_out = train.load_data(cfg)
-    reward_fn = train.reward_function(cfg)
+    rewards = train.reward_functions(cfg)
     start = time.time()
 
     def milestone(step, model, tok):
@@ -86,7 +86,7 @@ def main():
         _, path = train.builtin_folders(dataclasses.replace(cfg, warm_start_steps=step))
         if step < args.steps:
             save_model(model, tok, path)
-        sampled, greedy = accuracy(model, tok, held_out, reward_fn, args.max_tokens)
+        sampled, greedy = accuracy(model, tok, held_out, rewards, args.max_tokens)
         print(
             f"warm start {step}: pass@1={sampled:.3f} greedy={greedy:.3f} "
             f"({time.time() - start:.0f} s) {path}",
@@ -105,7 +105,7 @@ def main():
 
 
 @torch.no_grad()
-def accuracy(model, tok, rows, reward_fn, max_tokens, n=8):
+def accuracy(model, tok, rows, rewards, max_tokens, n=8):
     """(pass@1 of n samples at temperature 1, greedy's exact accuracy) on `rows`."""
     model.eval()
     prompts = [row["prompt"] for row in rows]
@@ -132,9 +132,9 @@ def accuracy(model, tok, rows, reward_fn, max_tokens, n=8):
     model.train()
     width = batch.input_ids.shape[1]
     texts = tok.batch_decode(sampled[:, width:], skip_special_tokens=True)
-    rights = [train.score(reward_fn, text, rows[i // n]) == 1 for i, text in enumerate(texts)]
+    rights = [rewards(text, rows[i // n])[0] == 1 for i, text in enumerate(texts)]
     greedy_texts = tok.batch_decode(greedy[:, width:], skip_special_tokens=True)
-    greedy_rights = [train.score(reward_fn, t, row) == 1 for t, row in zip(greedy_texts, rows)]
+    greedy_rights = [rewards(t, row)[0] == 1 for t, row in zip(greedy_texts, rows)]
     return sum(rights) / len(rights), sum(greedy_rights) / len(greedy_rights)
 
 

@@ -13,6 +13,11 @@ def zero(completion, row):
     return 0.0
 
 
+def half_where_odd(completion, row):
+    """0.5 for a row whose answer is odd; None, does not apply, for the others."""
+    return 0.5 if int(row["answer"]) % 2 else None
+
+
 def boxed(completion, row):
     """1 if the completion's last \\boxed{...} holds the row's answer, else 0."""
     boxes = re.findall(r"\\boxed\{([^}]*)\}", completion)

@@ -99,7 +99,10 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
         [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
     )
     assert (
-        train.sequence({"prompt": "p", "answer": "42"}, episode, tasks.answer_reward).reward == 1.0
+        train.sequence(
+            {"prompt": "p", "answer": "42"}, episode, train.Rewards([tasks.answer_reward])
+        ).reward
+        == 1.0
     )
 
 
@@ -129,7 +132,7 @@ def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):
     with pytest.raises(ValueError, match="2 for 'p'"):
         train.score(lambda completion, row: 2, "", {"prompt": "p"})
     with pytest.raises(ValueError, match="line 1"):
-        train.read_dataset(cfg.dataset, lambda completion, row: 2)
+        train.read_dataset(cfg.dataset, train.Rewards([lambda completion, row: 2]))
 
 
 def test_evaluation_labels_a_dataset_by_its_rows_tasks_or_its_file(server, model_path, tmp_path):

@@ -317,6 +317,60 @@ def test_reward_reads_the_last_number():
     assert partial == pytest.approx([1, 2 / 3, 1 / 3, 0, 0])
 
 
+def test_math_reward_checks_boxed_fractions_and_latex_by_math_verify():
+    assert tasks.math_reward("so \\boxed{\\frac{1}{2}}", {"answer": "0.5"}) == 1.0
+    assert tasks.math_reward("$\\frac{3}{4}$", {"answer": "3/4"}) == 1.0
+    assert tasks.math_reward("\\boxed{\\frac{2}{3}}", {"answer": "3/4"}) == 0.0
+
+
+def test_gsm8k_reward_reads_the_number_after_the_last_hashes():
+    row = {"answer": "48 / 2 = 24 clips in May.\n#### 1,234"}
+    assert tasks.gsm8k_reward("24 in May, so #### 1234", row) == 1.0
+    assert tasks.gsm8k_reward("so 1,234", row) == 1.0
+    assert tasks.gsm8k_reward("#### 24", row) == 0.0
+
+
+def test_format_reward_matches_think_then_an_answer_or_the_rows_own_pattern():
+    assert tasks.format_reward("<think>7 and\n5</think> 12", {}) == 1.0
+    assert (
+        tasks.format_reward("12", {}) == 0.0 and tasks.format_reward("<think>a</think>", {}) == 0.0
+    )
+    assert tasks.format_reward("ANSWER: 12", {"format_pattern": r"ANSWER: \d+"}) == 1.0
+
+
+def test_several_rewards_add_by_weight_and_a_none_is_absent_not_zero():
+    def right(completion, row):
+        return float(completion == row["answer"])
+
+    def short(completion, row):
+        # applies only to rows that ask for it
+        return float(len(completion) < 3) if row.get("short") else None
+
+    rewards = train.Rewards([right, short], [1.0, 0.5])
+    assert rewards("7", {"answer": "7", "short": True}) == (1.5, [1.0, 1.0])
+    total, each = rewards("7", {"answer": "7"})
+    assert total == 1.0 and each[0] == 1.0 and math.isnan(each[1])
+    # each function's mean over the samples it applies to
+    metrics = train.reward_metrics(["right", "short"], torch.tensor([[1.0, math.nan], [0.0, 0.5]]))
+    assert metrics == {"reward/right": 0.5, "reward/short": 0.5}
+
+
+def test_each_reward_is_logged_beside_the_sum(
+    server, model_path, tmp_path, restore_weights, capsys
+):
+    reward = "tests.my_rewards:zero,tests.my_rewards:half_where_odd"
+    cfg = tiny_run(model_path, tmp_path, steps=2, reward=reward, reward_weights="1,2")
+    history = train.train(cfg, server)
+    for row in history:
+        # half_where_odd's mean is over the rows with an odd answer: 0.5, never diluted by 0s
+        assert row["reward/zero"] == 0.0 and row["reward/half_where_odd"] in (0.5, None)
+        assert 0 <= row["reward"] <= 1
+    logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["reward/zero"] for row in logged] == [0.0, 0.0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert "reward/zero 0.00" in lines[0] and "reward/half_where_odd" in lines[0]
+
+
 def test_the_sums_reward_scores_each_running_total_by_how_close_it_is():
     row = {"prompt": "Sum 12 7 30:", "answer": "49", "totals": [19, 49]}
     assert tasks.sums_reward(" 12+7=19 19+30=49", row) == 1.0
@@ -1014,7 +1068,7 @@ def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_line(tmp_path
     rows += [{"prompt": "b", "answer": ""}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as refused:
-        train.read_dataset(str(data), tasks.answer_reward)
+        train.read_dataset(str(data), train.Rewards([tasks.answer_reward]))
     assert 'line 2: ValueError: "answer" is null' in str(refused.value)
     assert 'line 3: ValueError: "answer" is ""' in str(refused.value)
 
