@@ -76,7 +76,13 @@ class Config:
     model: str = flag("", "HF folder or hub id (default: the built-in model, warm-started)")
     model_size: str = flag("tiny", "the built-in model's shape (local.SHAPES)", list(SHAPES))
     warm_start_steps: int = flag(100, "supervised steps teaching the built-in model the task")
-    dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
+    dataset: str = flag(
+        "", "a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, hub NAME[:CONFIG]"
+    )
+    dataset_split: str = flag("train", "the split of a hub dataset or a folder of several")
+    prompt_column: str = flag("prompt", "the column of the prompts: a string or chat messages")
+    answer_column: str = flag("answer", "the column the rewards read as the row's answer")
+    eval_dataset: str = flag("", "held-out prompts, as --dataset (default: --dataset's first ones)")
     reward: str = flag("", "module:function,...: (completion, row) -> [0, 1] or None (Rewards)")
     reward_weights: str = flag("", "w1,w2,...: each --reward's weight in the sum (default 1)")
     success_threshold: float = flag(1.0, "a reward (the sum) of at least this is a success")
@@ -147,8 +153,9 @@ class Config:
                 "under torchrun each micro-batch's prompts must divide among the ranks, and "
                 "--resume runs in one process only (the optimizer's state is sharded)"
             )
-        if self.dataset and not os.path.exists(self.dataset):
-            raise ValueError(f"no dataset file {self.dataset}")
+        for name in (self.dataset, self.eval_dataset):
+            if name.endswith(tuple(LOADERS)) and not os.path.exists(name):
+                raise ValueError(f"no dataset file {name}")
         if self.success_threshold <= 0:
             raise ValueError("success_threshold must be > 0")
         if self.resume and not os.path.exists(state_path(self.resume)):
@@ -1109,19 +1116,22 @@ def warm_start(base, path, cfg, each=None):
 
 # -- the data: --dataset's rows, or the task's (tasks.py) ------------------------------------------
 def load_data(cfg):
-    """(training rows, held-out rows): the first --eval-prompts distinct prompts are held out (when
-    evaluating), and no training row has one of their prompts."""
+    """(training rows, held-out rows): --eval-dataset's, else the first --eval-prompts distinct
+    prompts are held out (when evaluating), and no training row has one of their prompts."""
     if not cfg.dataset:
         data = TASKS[cfg.task].data(100_000, cfg.seed)
     else:
-        data = read_dataset(cfg.dataset, reward_functions(cfg))
+        data = read_dataset(cfg.dataset, reward_functions(cfg), cfg)
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
     count = cfg.eval_prompts or (None if cfg.eval_only and cfg.dataset else 8)
-    held_out = list({r["prompt"]: r for r in data}.values())[:count]
-    prompts = {r["prompt"] for r in held_out}
-    data = [r for r in data if r["prompt"] not in prompts]
+    if cfg.eval_dataset:
+        return data, read_dataset(cfg.eval_dataset, reward_functions(cfg), cfg)[:count]
+    # a prompt by its JSON: a conversational one is a list
+    held_out = list({json.dumps(r["prompt"]): r for r in data}.values())[:count]
+    prompts = {json.dumps(r["prompt"]) for r in held_out}
+    data = [r for r in data if json.dumps(r["prompt"]) not in prompts]
     if not data and not cfg.eval_only:
         raise ValueError(
             f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts"
@@ -1129,37 +1139,80 @@ def load_data(cfg):
     return data, held_out
 
 
-def read_dataset(path, rewards):
-    """The rows of a jsonl file, every one checked before anything is generated (a string
-    "prompt" and "task", which defaults to the file's name, that the reward can score).
-    Raises ValueError naming the bad lines."""
-    task = os.path.splitext(os.path.basename(path))[0]
+def read_dataset(name, rewards, cfg):
+    """The rows of --dataset `name` (load_rows), --prompt-column and --answer-column as "prompt" and
+    "answer" beside the others, every one checked before anything is generated (check_row).
+    Raises ValueError naming the bad rows by index."""
+    try:
+        loaded = load_rows(name, cfg)
+    except Exception as e:
+        # a file that does not parse, a hub name not found: what the datasets library says
+        raise ValueError(f"{name}: {e.__cause__ or e}") from e
+    # a row without a task is of the dataset named
+    task = os.path.splitext(os.path.basename(os.path.normpath(name)))[0]
     rows, errors = [], []
-    with open(path) as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        # whatever the row or the reward raises is that line's error
+    for index, row in enumerate(loaded):
+        # whatever the row or the reward raises is that row's error
         try:
-            row = json.loads(line)
-            row.setdefault("task", task)
-            if not isinstance(row["prompt"], str) or not isinstance(row["task"], str):
-                raise ValueError('"prompt" and "task" must be strings')
-            if "answer" in row and row["answer"] in (None, ""):
-                raise ValueError(
-                    f'"answer" is {json.dumps(row["answer"])}: nothing to score against'
-                )
-            rewards("", row)
+            row = row | {"prompt": row[cfg.prompt_column], "task": row.get("task") or task}
+            if cfg.answer_column in row:
+                row["answer"] = row[cfg.answer_column]
+            check_row(row, rewards)
             rows.append(row)
         except Exception as e:
             # what the reward raised, if it raised (score names the row otherwise)
             e = e.__cause__ or e
-            errors.append(f"line {number}: {type(e).__name__}: {e}")
+            errors.append(f"row {index}: {type(e).__name__}: {e}")
     if errors or not rows:
         shown = "; ".join(errors[:5]) or "no rows"
-        raise ValueError(f"{path}: {len(errors)} bad lines of {len(lines)}: {shown}")
+        raise ValueError(f"{name}: {len(errors)} bad rows of {len(loaded)}: {shown}")
     return rows
+
+
+# --dataset's files by suffix, and the loader of the datasets library that reads each
+LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(name, cfg) -> list[dict]:
+    """The rows of a file (LOADERS), a folder of datasets.Dataset.save_to_disk, or a hub dataset
+    NAME[:CONFIG] (its --dataset-split), read by the datasets library."""
+    import datasets
+
+    if os.path.isdir(name):
+        data = datasets.load_from_disk(name)
+    elif name.endswith(tuple(LOADERS)):
+        loader = LOADERS[os.path.splitext(name)[1]]
+        data = datasets.load_dataset(loader, data_files=name, split="train")
+    else:
+        path, _, config = name.partition(":")
+        data = datasets.load_dataset(path, config or None, split=cfg.dataset_split)
+    # a folder of several splits
+    if isinstance(data, datasets.DatasetDict):
+        data = data[cfg.dataset_split]
+    return data.to_list()
+
+
+def check_row(row, rewards):
+    """Raise ValueError unless the row's "prompt" is a string or a list of {"role", "content"}
+    messages (TRL's conversational format), its "task" a string, its "answer" (if any) something,
+    and the rewards score it (an empty completion must get a number in [0, 1] or None)."""
+    if not (isinstance(row["prompt"], str) or is_conversational(row["prompt"])):
+        raise ValueError('"prompt" must be a string or a list of {"role", "content"} messages')
+    if not isinstance(row["task"], str):
+        raise ValueError('"task" must be a string')
+    if "answer" in row and row["answer"] in (None, ""):
+        raise ValueError(f'"answer" is {json.dumps(row["answer"])}: nothing to score against')
+    rewards("", row)
+
+
+def is_conversational(prompt):
+    """TRL's conversational format: a list of {"role": ..., "content": ...} messages."""
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    return all(
+        isinstance(m, dict) and {type(m.get("role")), type(m.get("content"))} == {str}
+        for m in prompt
+    )
 
 
 # -- the reward: --reward's functions, or the task's ----------------------------------------------

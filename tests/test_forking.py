@@ -114,25 +114,102 @@ def test_a_reward_of_ones_own_passes_at_the_stated_threshold(server, model_path,
 
 
 def test_every_dataset_row_is_checked_before_anything_is_generated(model_path, tmp_path):
-    data = write_jsonl(
-        tmp_path / "d.jsonl",
-        [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, "not json", {"prompt": 3}],
-    )
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, {"prompt": 3, "answer": "3"}]
+    rows += [{"prompt": [{"role": "user"}], "answer": "4"}]
     # nothing listens there: generating anything would fail differently
-    argv = ["--server-url", "http://127.0.0.1:9", "--model", model_path, "--dataset", data]
+    argv = ["--server-url", "http://127.0.0.1:9", "--model", model_path, "--out", str(tmp_path)]
     with pytest.raises(SystemExit) as e:
-        train.main([*argv, "--out", str(tmp_path / "run")])
+        train.main([*argv, "--dataset", write_jsonl(tmp_path / "d.jsonl", rows)])
     message = str(e.value.code)
-    assert "line 2: KeyError: 'answer'" in message and "line 3" in message and "line 4" in message
-    assert "line 1:" not in message
+    assert 'row 1: ValueError: "answer" is null' in message and "row 0:" not in message
+    assert 'row 2: ValueError: "prompt" must be' in message and "row 3: ValueError" in message
+    # a line that is no JSON: the file, with the datasets library's words
+    with pytest.raises(SystemExit) as e:
+        train.main([*argv, "--dataset", write_jsonl(tmp_path / "bad.jsonl", [rows[0], "{"])])
+    assert "bad.jsonl: " in str(e.value.code) and "JSON" in str(e.value.code)
+
+
+# the same rows in each form --dataset reads; GSM8K's column names
+GSM8K_ROWS = [{"question": f"{i}+1=", "answer": f"so #### {i + 1}", "n": i} for i in range(3)]
+
+
+def dataset_forms(folder):
+    """GSM8K_ROWS as a .jsonl, .json, .csv and .parquet file and a save_to_disk folder."""
+    import datasets
+
+    data = datasets.Dataset.from_list(GSM8K_ROWS)
+    paths = [write_jsonl(folder / "d.jsonl", GSM8K_ROWS), str(folder / "d.json")]
+    data.to_json(paths[1], lines=False)
+    for path, write in [("d.csv", data.to_csv), ("d.parquet", data.to_parquet)]:
+        write(str(folder / path))
+        paths.append(str(folder / path))
+    # a folder of two splits: --dataset-split picks one
+    datasets.DatasetDict({"train": data, "test": data.select([0])}).save_to_disk(folder / "saved")
+    return paths + [str(folder / "saved")]
+
+
+def test_each_form_of_dataset_gives_the_rows_with_prompt_and_answer_beside_their_columns(tmp_path):
+    gsm8k = train.Rewards([tasks.gsm8k_reward])
+    cfg = train.Config(model="m", prompt_column="question", answer_column="answer")
+    for path in dataset_forms(tmp_path):
+        rows = train.read_dataset(path, gsm8k, cfg)
+        assert [r["prompt"] for r in rows] == ["0+1=", "1+1=", "2+1="], path
+        assert [(r["question"], r["answer"], r["n"]) for r in rows] == [
+            (r["question"], r["answer"], r["n"]) for r in GSM8K_ROWS
+        ], path
+        assert gsm8k("1", rows[0]) == (1.0, [1.0])
+    cfg.dataset_split = "test"
+    assert len(train.read_dataset(str(tmp_path / "saved"), gsm8k, cfg)) == 1
+
+
+def test_a_hub_name_and_its_config_go_to_load_dataset_with_the_split(tmp_path, monkeypatch):
+    """The hub cannot be reached here: datasets.load_dataset is replaced by one that records its
+    arguments and answers local rows."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_list(GSM8K_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = train.Config(model="m", prompt_column="question", dataset_split="test")
+    for name in ("openai/gsm8k:main", "openai/gsm8k"):
+        rows = train.read_dataset(name, train.Rewards([tasks.gsm8k_reward]), cfg)
+        assert len(rows) == 3 and rows[0]["prompt"] == "0+1="
+    assert calls == [
+        (("openai/gsm8k", "main"), {"split": "test"}),
+        (("openai/gsm8k", None), {"split": "test"}),
+    ]
+
+
+def test_conversational_prompts_are_taken_as_messages():
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
+    row = {"prompt": messages, "answer": "2", "task": "t"}
+    train.check_row(row, train.Rewards([tasks.answer_reward]))
+    for bad in ([], [{"role": "user"}], ["1+1="], [{"role": "user", "content": 2}]):
+        with pytest.raises(ValueError, match="a list of"):
+            train.check_row(row | {"prompt": bad}, train.Rewards([tasks.answer_reward]))
+
+
+def test_eval_dataset_gives_the_held_out_prompts(tmp_path):
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": "1"} for i in range(9)]
+    )
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "9+9=", "answer": "18"}])
+    cfg = train.Config(model="m", dataset=data, eval_dataset=held, eval_every=1)
+    rows, held_out = train.load_data(cfg)
+    assert len(rows) == 9 and [r["prompt"] for r in held_out] == ["9+9="]
+    assert held_out[0]["task"] == "held"
 
 
 def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):
     cfg = train.Config(model="m", dataset=write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}]))
     with pytest.raises(ValueError, match="2 for 'p'"):
         train.score(lambda completion, row: 2, "", {"prompt": "p"})
-    with pytest.raises(ValueError, match="line 1"):
-        train.read_dataset(cfg.dataset, train.Rewards([lambda completion, row: 2]))
+    with pytest.raises(ValueError, match="row 0"):
+        train.read_dataset(cfg.dataset, train.Rewards([lambda completion, row: 2]), cfg)
 
 
 def test_evaluation_labels_a_dataset_by_its_rows_tasks_or_its_file(server, model_path, tmp_path):

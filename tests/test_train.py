@@ -1062,15 +1062,15 @@ def test_a_run_stopped_by_ctrl_c_leaves_a_checkpoint_of_its_last_completed_step(
     assert train.train(resumed, server)[-1]["step"] == step
 
 
-def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_line(tmp_path):
+def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_index(tmp_path):
     data = tmp_path / "my.jsonl"
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "a", "answer": None}]
     rows += [{"prompt": "b", "answer": ""}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as refused:
-        train.read_dataset(str(data), train.Rewards([tasks.answer_reward]))
-    assert 'line 2: ValueError: "answer" is null' in str(refused.value)
-    assert 'line 3: ValueError: "answer" is ""' in str(refused.value)
+        train.read_dataset(str(data), train.Rewards([tasks.answer_reward]), train.Config(model="m"))
+    assert 'row 1: ValueError: "answer" is null' in str(refused.value)
+    assert 'row 2: ValueError: "answer" is ""' in str(refused.value)
 
 
 def test_a_save_stopped_by_ctrl_c_leaves_no_partial_folder(model_path, tmp_path):
