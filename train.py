@@ -20,6 +20,7 @@ Where this departs from the GRPO paper:
 import argparse
 import collections
 import contextlib
+import difflib
 import gc
 import importlib.util
 import json
@@ -38,6 +39,7 @@ from statistics import mean
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -184,6 +186,7 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
+    """The flags of `argv`, over those of --config's YAML file, over a resumed run's."""
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=Config.__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -195,14 +198,50 @@ def parse_config(argv=None) -> Config:
             choices = f.metadata["choices"]
             choices = choices() if callable(choices) else choices
             options = {"type": type(f.default), "choices": choices}
+        # --reward given again adds functions (parse_flags joins them)
+        if f.name == "reward":
+            options["action"] = "append"
         # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
         parser.add_argument(
             as_flag(f.name), default=argparse.SUPPRESS, help=f.metadata["help"], **options
         )
+    help = "YAML: flags by name (max_staleness: 1), the command line's win; a run's OUT/config.yaml"
+    parser.add_argument("--config", default=argparse.SUPPRESS, help=help)
     try:
-        return Config(**resumed_settings(vars(parser.parse_args(argv))))
+        given = parse_flags(parser, argv)
+        if "config" in given:
+            given = parse_flags(parser, config_flags(given.pop("config"))) | given
+        return Config(**resumed_settings(given, parser))
     except ValueError as e:
         parser.error(str(e))
+
+
+def parse_flags(parser, argv) -> dict:
+    """{name: value} of the flags in `argv`; those of --reward as one comma list."""
+    given = vars(parser.parse_args(argv))
+    if "reward" in given:
+        given["reward"] = ",".join(given["reward"])
+    return given
+
+
+def config_flags(path) -> list[str]:
+    """The flags that a YAML file's mapping of flag names sets (`max_staleness: 1`, a list as a
+    comma list); a name that is no flag is a ValueError naming the nearest one."""
+    with open(path) as f:
+        settings = yaml.safe_load(f) or {}
+    names = [f.name for f in fields(Config)]
+    argv = []
+    for name, value in settings.items():
+        if name not in names:
+            nearest = difflib.get_close_matches(name, names, n=1, cutoff=0)
+            raise ValueError(f"{path}: {name} is no flag (the nearest: {nearest[0]})")
+        if isinstance(value, bool):
+            argv.append(as_flag(name if value else "no_" + name))
+        else:
+            value = ",".join(map(str, value)) if isinstance(value, list) else value
+            # one word: a value may begin with "--" (server_args)
+            argv.append(f"{as_flag(name)}={value}")
+    return argv
 
 
 def as_flag(name):
@@ -213,13 +252,13 @@ def as_flag(name):
 DATA_ORDER = ("dataset", "task", "reward", "prompts_per_step", "micro_batches", "group_size")
 
 
-def resumed_settings(given):
-    """The flags `given`; with --resume, every other one from the checkpoint's run, and each given
-    one that differs printed. A change of DATA_ORDER's is a ValueError."""
+def resumed_settings(given, parser):
+    """The flags `given`; with --resume, every other one from the run's OUT/config.yaml, each given
+    one that differs printed, and each restored one that names code or a model (a checkpoint is
+    trusted like code). A change of DATA_ORDER's is a ValueError."""
     if "resume" not in given or not os.path.exists(state_path(given["resume"])):
         return given
-    # mmap: the optimizer's state is not read
-    saved = torch.load(state_path(given["resume"]), weights_only=True, mmap=True).get("config", {})
+    saved = parse_flags(parser, config_flags(os.path.join(given["resume"], "config.yaml")))
     for name, value in given.items():
         # --lr: start_run says it, against the optimizer's own
         if name not in saved or saved[name] == value or name in ("resume", "lr"):
@@ -230,9 +269,12 @@ def resumed_settings(given):
                 "steps and data order are of that one (a new run needs another --out)"
             )
         print(f"{as_flag(name)} {value} from here on (the run's: {saved[name]!r})", file=sys.stderr)
-    # the checkpoint is the model
-    kept = {f.name: saved[f.name] for f in fields(Config) if f.name in saved and f.name != "model"}
-    return kept | given
+    # the checkpoint is the model: an adapter's names its base
+    saved["model"] = base_model(os.path.dirname(state_path(given["resume"])))
+    for name in ("model", "reward", "tools", "server_args"):
+        if saved.get(name) and name not in given:
+            print(f"{as_flag(name)} {saved[name]} (the checkpoint's)", file=sys.stderr)
+    return {name: value for name, value in saved.items() if name != "model"} | given
 
 
 # -- the loop: train() and what it calls, in the order it calls it ---------------------------------
@@ -1396,8 +1438,6 @@ def save_checkpoint(cfg, policy, tok, next_step, rng, rollouts):
     rows = [queued.rows for queued in rollouts.queue] + list(rollouts.sampled)
     optimizer = policy.opt.state_dict()
     state = {"step": next_step, "optimizer": optimizer, "rng": rng.getstate(), "rows": rows}
-    # the run's settings: a resume takes those not given again (resumed_settings)
-    state["config"] = asdict(cfg)
     extra = {"trainer_state.pt": state} if policy.resumable else {}
     # a LoRA run's: the adapter (PeftModel.save_pretrained)
     weights = None if cfg.lora_rank else rollouts.weights
@@ -1408,6 +1448,9 @@ def start_run(cfg, opt, rng, data):
     """(the first step, the rows of the steps sampled from it on, the metrics so far): a new run's,
     or with --resume the checkpoint's, its optimizer and RNG restored (docs/training.md)."""
     os.makedirs(cfg.out, exist_ok=True)
+    # the run's settings: --resume takes those not given again, a new run may start from them
+    with open(os.path.join(cfg.out, "config.yaml"), "w") as f:
+        yaml.safe_dump({k: v for k, v in asdict(cfg).items() if k != "resume"}, f, sort_keys=False)
     start, rows, history = 0, [], []
     if cfg.resume:
         state = torch.load(state_path(cfg.resume), weights_only=True)

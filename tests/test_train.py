@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import signal
 import struct
 import subprocess
@@ -23,6 +24,7 @@ import types
 import psutil
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -968,24 +970,85 @@ def tiny_run(model_path, out, **settings):
     return train.Config(model=model_path, out=str(out), **size | settings)
 
 
-def test_resume_takes_every_flag_not_given_from_the_checkpoint_and_refuses_a_new_data_order(
+def saved_run(folder, run):
+    """A checkpoint's trainer_state.pt (nothing in it) and the run's config.yaml, in `folder`."""
+    os.makedirs(folder / "checkpoint")
+    torch.save({}, train.state_path(str(folder)))
+    (folder / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(run)))
+
+
+def test_resume_takes_every_flag_not_given_from_the_runs_config_and_refuses_a_new_data_order(
     model_path, tmp_path, capsys
 ):
     data = tmp_path / "my.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     run = tiny_run(model_path, tmp_path, dataset=str(data), reward="tests.my_rewards:boxed")
     run.save_every, run.lr = 20, 1e-5
-    os.makedirs(tmp_path / "checkpoint")
-    torch.save({"config": dataclasses.asdict(run)}, train.state_path(str(tmp_path)))
+    saved_run(tmp_path, run)
     cfg = train.parse_config(["--resume", str(tmp_path), "--steps", "200", "--group-size", "2"])
     assert (cfg.dataset, cfg.reward, cfg.save_every, cfg.lr) == (run.dataset, run.reward, 20, 1e-5)
     assert cfg.steps == 200 and cfg.model == str(tmp_path / "checkpoint")
     # each flag that changes is said; one given as it was is not
-    assert capsys.readouterr().err == "--steps 200 from here on (the run's: 120)\n"
+    said = capsys.readouterr().err.splitlines()
+    assert "--steps 200 from here on (the run's: 120)" in said
+    assert not [line for line in said if "group-size" in line]
     for changed in (["--group-size", "4"], ["--task", "sums"], ["--reward", "x:y"]):
         with pytest.raises(SystemExit):
             train.parse_config(["--resume", str(tmp_path), *changed])
         assert f"--resume: {changed[0]} {changed[1]} is not the run's" in capsys.readouterr().err
+
+
+def test_a_resume_says_each_restored_flag_that_names_code_on_its_own_line(
+    model_path, tmp_path, capsys
+):
+    """A tampered config.yaml: its reward and the server's tools run as code."""
+    run = tiny_run(model_path, tmp_path, reward="builtins:exec", server_args="--tool sh=os:system")
+    saved_run(tmp_path, run)
+    train.parse_config(["--resume", str(tmp_path)])
+    said = capsys.readouterr().err.splitlines()
+    assert "--reward builtins:exec (the checkpoint's)" in said
+    assert "--server-args --tool sh=os:system (the checkpoint's)" in said
+    assert f"--model {tmp_path / 'checkpoint'} (the checkpoint's)" in said
+
+
+def test_a_config_file_sets_flags_by_name_and_the_command_line_wins(tmp_path):
+    settings = {"max_staleness": 1, "lr": 1e-5, "bf16": True, "checkpoint": False}
+    settings["reward"] = ["tests.my_rewards:zero", "tasks:format_reward"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings))
+    cfg = train.parse_config(
+        ["--config", str(tmp_path / "run.yaml"), "--model", "m", "--lr", "0.5"]
+    )
+    assert (cfg.max_staleness, cfg.lr, cfg.bf16, cfg.checkpoint) == (1, 0.5, True, False)
+    assert cfg.reward == "tests.my_rewards:zero,tasks:format_reward"
+    # --reward again adds functions
+    again = [
+        "--model",
+        "m",
+        "--reward",
+        "tasks:math_reward",
+        "--reward",
+        "tasks:gsm8k_reward,tasks:format_reward",
+    ]
+    assert (
+        train.parse_config(again).reward
+        == "tasks:math_reward,tasks:gsm8k_reward,tasks:format_reward"
+    )
+
+
+def test_an_unknown_key_of_a_config_file_is_refused_naming_the_nearest_flag(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("max_stalenes: 1\n")
+    with pytest.raises(SystemExit):
+        train.parse_config(["--config", str(tmp_path / "run.yaml"), "--model", "m"])
+    assert "max_stalenes is no flag (the nearest: max_staleness)" in capsys.readouterr().err
+
+
+def test_a_runs_config_yaml_holds_its_settings_and_starts_a_run_of_its_own(model_path, tmp_path):
+    run = tiny_run(model_path, tmp_path / "a", max_staleness=1, reward="tasks:format_reward")
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    train.start_run(run, opt, random.Random(0), [{"prompt": "p"}] * 4)
+    config = str(tmp_path / "a" / "config.yaml")
+    cfg = train.parse_config(["--config", config, "--out", str(tmp_path / "b")])
+    assert dataclasses.asdict(cfg) == dataclasses.asdict(run) | {"out": str(tmp_path / "b")}
 
 
 def test_a_resume_at_a_smaller_max_staleness_trains_at_it_from_its_first_step(
