@@ -78,9 +78,7 @@ class Config:
     model: str = flag("", "HF folder or hub id (default: the built-in model, warm-started)")
     model_size: str = flag("tiny", "the built-in model's shape (local.SHAPES)", list(SHAPES))
     warm_start_steps: int = flag(100, "supervised steps teaching the built-in model the task")
-    dataset: str = flag(
-        "", "a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, hub NAME[:CONFIG]"
-    )
+    dataset: str = flag("", "jsonl/json/csv/parquet file, save_to_disk folder or hub NAME[:CONFIG]")
     dataset_split: str = flag("train", "the split of a hub dataset or a folder of several")
     prompt_column: str = flag("prompt", "the column of the prompts: a string or chat messages")
     answer_column: str = flag("answer", "the column the rewards read as the row's answer")
@@ -103,6 +101,7 @@ class Config:
     save_every: int = flag(0, "save the checkpoint every K steps (0: at the end only)", at_least=0)
     checkpoint: bool = flag(True, "save the checkpoint at the end (--no-checkpoint: metrics only)")
     resume: str = flag("", "continue the run in this --out from its checkpoint")
+    config: str = flag("", "a YAML file of flags by name (lr: 1e-5), those given here win")
     seed_requests: bool = flag(False, "seed each step's requests from its prompts (exact resumes)")
     seed: int = flag(0, "seed for data, sampling and init")
     # GRPO
@@ -155,11 +154,6 @@ class Config:
                 "under torchrun each micro-batch's prompts must divide among the ranks, and "
                 "--resume runs in one process only (the optimizer's state is sharded)"
             )
-        for name in (self.dataset, self.eval_dataset):
-            if name.endswith(tuple(LOADERS)) and not os.path.exists(name):
-                raise ValueError(f"no dataset file {name}")
-        if self.success_threshold <= 0:
-            raise ValueError("success_threshold must be > 0")
         if self.resume and not os.path.exists(state_path(self.resume)):
             raise ValueError(f"--resume {self.resume}: no {state_path(self.resume)}")
         if model_error(self.model):
@@ -175,7 +169,7 @@ class Config:
         # under torchrun, rank r takes GPU r
         if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device} under torchrun: use cuda or cpu")
-        reward_functions(self)
+        Rewards(self)
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
@@ -205,8 +199,6 @@ def parse_config(argv=None) -> Config:
         parser.add_argument(
             as_flag(f.name), default=argparse.SUPPRESS, help=f.metadata["help"], **options
         )
-    help = "YAML: flags by name (max_staleness: 1), the command line's win; a run's OUT/config.yaml"
-    parser.add_argument("--config", default=argparse.SUPPRESS, help=help)
     try:
         given = parse_flags(parser, argv)
         if "config" in given:
@@ -235,12 +227,11 @@ def config_flags(path) -> list[str]:
         if name not in names:
             nearest = difflib.get_close_matches(name, names, n=1, cutoff=0)
             raise ValueError(f"{path}: {name} is no flag (the nearest: {nearest[0]})")
-        if isinstance(value, bool):
-            argv.append(as_flag(name if value else "no_" + name))
-        else:
-            value = ",".join(map(str, value)) if isinstance(value, list) else value
-            # one word: a value may begin with "--" (server_args)
-            argv.append(f"{as_flag(name)}={value}")
+        # true and false as --flag and --no-flag, a list as a comma list; a value as one word, as
+        # it may begin with "--" (server_args)
+        value = ",".join(map(str, value)) if isinstance(value, list) else value
+        option = as_flag(name if value is not False else "no_" + name)
+        argv.append(option if isinstance(value, bool) else f"{option}={value}")
     return argv
 
 
@@ -260,8 +251,7 @@ def resumed_settings(given, parser):
         return given
     saved = parse_flags(parser, config_flags(os.path.join(given["resume"], "config.yaml")))
     for name, value in given.items():
-        # --lr: start_run says it, against the optimizer's own
-        if name not in saved or saved[name] == value or name in ("resume", "lr"):
+        if name not in saved or saved[name] == value or name == "resume":
             continue
         if name in DATA_ORDER:
             raise ValueError(
@@ -473,14 +463,11 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     rollouts.submit_queued()
     queued = rollouts.queue[0]
     version = rollouts.version
-    tensors = {"rewards": [], "each_reward": [], "staleness": [], "is_weights": []}
-    tensors["logprob_deltas"] = []
-    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
+    tensors = collections.defaultdict(list)
     stats = {"divisor": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
-    rewards = reward_functions(cfg)
-    stats["reward_names"] = rewards.names
+    rewards = Rewards(cfg)
     # samples: [prompt][G] Completion or Episode
     for rows, samples, times in collect(rollouts.client, queued.rows, queued.requests, cfg):
         stats["gen"].append([min(t["started"] for t in times), max(t["finished"] for t in times)])
@@ -630,26 +617,24 @@ def sequence(row, sample, rewards) -> Sample:
     if isinstance(sample, Episode):
         # an episode merged from a session has no spans: its first turn's version
         spans = sample.versions or [[sample.turns[0]["version"], 0]]
-        seq = Sample(
+        return Sample(
             ids=sample.token_ids,
             mask=sample.loss_mask,
             logprobs=sample.logprobs,
             versions=per_token(spans, 0, len(sample.token_ids)),
+            **rewards(sample.turns[-1]["text"], row),
+            truncated=sample.finish_reason == "length",
             tool_calls=len(sample.tool_calls),
         )
-        text = sample.turns[-1]["text"]
-    else:
-        prompt = sample.prompt_token_ids
-        seq = Sample(
-            ids=prompt + sample.token_ids,
-            mask=[0] * len(prompt) + [1] * len(sample.token_ids),
-            logprobs=[None] * len(prompt) + sample.logprobs,
-            versions=per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
-        )
-        text = sample.text
-    seq.truncated = sample.finish_reason == "length"
-    seq.reward, seq.rewards = rewards(text, row)
-    return seq
+    prompt = sample.prompt_token_ids
+    return Sample(
+        ids=prompt + sample.token_ids,
+        mask=[0] * len(prompt) + [1] * len(sample.token_ids),
+        logprobs=[None] * len(prompt) + sample.logprobs,
+        versions=per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
+        **rewards(sample.text, row),
+        truncated=sample.finish_reason == "length",
+    )
 
 
 def per_token(spans, offset, length):
@@ -897,15 +882,14 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     train_s = sum(b - a for a, b in stats["train"])
     sync_s = stats["sync"][0][1] - stats["sync"][0][0]
     step_s = time.time() - t_step
-    rewards = stats["rewards"]
-    groups = rewards.view(-1, cfg.group_size)
+    groups = stats["rewards"].view(-1, cfg.group_size)
     # no stale samples: weight 1, none clipped
     w = stats["is_weights"] if len(stats["is_weights"]) else torch.ones(1)
     lengths = stats["lengths"].float()
     row = {
         "step": step,
-        "reward": rewards.mean().item(),
-        "accuracy": (rewards >= cfg.success_threshold).float().mean().item(),
+        "reward": groups.mean().item(),
+        "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
         # what the gradient is of: the summed loss over the step's loss_divisor
         "loss": stats["loss"] / max(stats["divisor"], 1),
         # of the sampled tokens, estimated by them: mean -log p
@@ -933,7 +917,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "is_weight_max": w.max().item(),
         "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(stats["is_weights"]) else 0.0,
         **mismatch_metrics(stats["logprob_deltas"]),
-        **reward_metrics(stats["reward_names"], stats["each_reward"]),
+        **reward_metrics(Rewards(cfg).names, stats["each_reward"]),
         "intervals": {
             k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in stats[k]]
             for k in ("gen", "train", "sync")
@@ -1018,10 +1002,9 @@ def show_progress(bar, row):
     """The step's reward, accuracy, seconds and TFLOP/s (MFU where the peak is known) on the bar,
     or where it is off (stderr is no terminal) in a line."""
     progress = {key: f"{row[key]:.2f}" for key in ("reward", "accuracy", "step_s", "tflops")}
-    each = {key: value for key, value in row.items() if key.startswith("reward/")}
     # several rewards: each one's mean beside the sum
-    if len(each) > 1:
-        progress |= {key: "-" if value is None else f"{value:.2f}" for key, value in each.items()}
+    each = {k: f"{v:.2f}" for k, v in row.items() if k.startswith("reward/") and v is not None}
+    progress |= each if len(each) > 1 else {}
     if row["mfu"] is not None:
         progress["mfu"] = f"{row['mfu']:.3f}"
     bar.set_postfix(progress)
@@ -1163,13 +1146,13 @@ def load_data(cfg):
     if not cfg.dataset:
         data = TASKS[cfg.task].data(100_000, cfg.seed)
     else:
-        data = read_dataset(cfg.dataset, reward_functions(cfg), cfg)
+        data = read_dataset(cfg.dataset, cfg)
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
     count = cfg.eval_prompts or (None if cfg.eval_only and cfg.dataset else 8)
     if cfg.eval_dataset:
-        return data, read_dataset(cfg.eval_dataset, reward_functions(cfg), cfg)[:count]
+        return data, read_dataset(cfg.eval_dataset, cfg)[:count]
     # a prompt by its JSON: a conversational one is a list
     held_out = list({json.dumps(r["prompt"]): r for r in data}.values())[:count]
     prompts = {json.dumps(r["prompt"]) for r in held_out}
@@ -1181,7 +1164,7 @@ def load_data(cfg):
     return data, held_out
 
 
-def read_dataset(name, rewards, cfg):
+def read_dataset(name, cfg):
     """The rows of --dataset `name` (load_rows), --prompt-column and --answer-column as "prompt" and
     "answer" beside the others, every one checked before anything is generated (check_row).
     Raises ValueError naming the bad rows by index."""
@@ -1192,11 +1175,11 @@ def read_dataset(name, rewards, cfg):
         raise ValueError(f"{name}: {e.__cause__ or e}") from e
     # a row without a task is of the dataset named
     task = os.path.splitext(os.path.basename(os.path.normpath(name)))[0]
-    rows, errors = [], []
+    rows, errors, rewards = [], [], Rewards(cfg)
     for index, row in enumerate(loaded):
         # whatever the row or the reward raises is that row's error
         try:
-            row = row | {"prompt": row[cfg.prompt_column], "task": row.get("task") or task}
+            row = row | {"prompt": row[cfg.prompt_column], "task": str(row.get("task") or task)}
             if cfg.answer_column in row:
                 row["answer"] = row[cfg.answer_column]
             check_row(row, rewards)
@@ -1236,12 +1219,10 @@ def load_rows(name, cfg) -> list[dict]:
 
 def check_row(row, rewards):
     """Raise ValueError unless the row's "prompt" is a string or a list of {"role", "content"}
-    messages (TRL's conversational format), its "task" a string, its "answer" (if any) something,
+    messages (TRL's conversational format), its "answer" (if any) something,
     and the rewards score it (an empty completion must get a number in [0, 1] or None)."""
     if not (isinstance(row["prompt"], str) or is_conversational(row["prompt"])):
         raise ValueError('"prompt" must be a string or a list of {"role", "content"} messages')
-    if not isinstance(row["task"], str):
-        raise ValueError('"task" must be a string')
     if "answer" in row and row["answer"] in (None, ""):
         raise ValueError(f'"answer" is {json.dumps(row["answer"])}: nothing to score against')
     rewards("", row)
@@ -1249,42 +1230,36 @@ def check_row(row, rewards):
 
 def is_conversational(prompt):
     """TRL's conversational format: a list of {"role": ..., "content": ...} messages."""
-    if not isinstance(prompt, list) or not prompt:
-        return False
+    messages = prompt if isinstance(prompt, list) and prompt else [None]
     return all(
-        isinstance(m, dict) and {type(m.get("role")), type(m.get("content"))} == {str}
-        for m in prompt
+        isinstance(m, dict) and {type(m.get(k)) for k in ("role", "content")} == {str}
+        for m in messages
     )
 
 
 # -- the reward: --reward's functions, or the task's ----------------------------------------------
 class Rewards:
-    """Reward functions and their weights (TRL's reward_funcs, reward_weights): a sample's reward is
-    the weighted sum of those that apply to it (a function returns None where it does not: absent
-    from the sum, not 0, TRL's nansum)."""
+    """--reward's functions (module:function, importable from here; a comma list, or the flag given
+    again), else the task's own, and --reward-weights (TRL's reward_funcs, reward_weights): a
+    sample's reward is the weighted sum of those that apply to it (a function returns None where
+    it does not: absent from the sum, not 0, TRL's nansum)."""
 
-    def __init__(self, functions, weights=None):
-        self.functions = functions
-        self.weights = weights or [1.0] * len(functions)
-        self.names = [function.__name__ for function in functions]
+    def __init__(self, cfg):
+        specs = cfg.reward.split(",") if cfg.reward else []
+        default = answer_reward if cfg.dataset else TASKS[cfg.task].reward
+        self.functions = [load_function(spec, "--reward") for spec in specs] or [default]
+        self.names = [function.__name__ for function in self.functions]
+        weights = cfg.reward_weights.split(",") if cfg.reward_weights else [1] * len(self.names)
+        if len(weights) != len(self.names):
+            raise ValueError(f"--reward-weights {cfg.reward_weights}: a weight for each --reward")
+        self.weights = [float(w) for w in weights]
 
-    def __call__(self, completion, row) -> tuple[float, list]:
-        """(the weighted sum, each function's reward: NaN where it does not apply)."""
+    def __call__(self, completion, row) -> dict:
+        """A Sample's reward, the weighted sum, and rewards, each function's (NaN where it does not
+        apply)."""
         each = [score(function, completion, row) for function in self.functions]
         total = sum(w * r for w, r in zip(self.weights, each) if not math.isnan(r))
-        return total, each
-
-
-def reward_functions(cfg) -> Rewards:
-    """--reward's functions (module:function, importable from here; a comma list, or the flag
-    given again) with --reward-weights, else the task's own reward."""
-    if not cfg.reward:
-        return Rewards([answer_reward if cfg.dataset else TASKS[cfg.task].reward])
-    functions = [load_function(spec, "--reward") for spec in cfg.reward.split(",")]
-    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
-    if weights and len(weights) != len(functions):
-        raise ValueError(f"--reward-weights {cfg.reward_weights}: a weight for each --reward")
-    return Rewards(functions, weights)
+        return {"reward": total, "rewards": each}
 
 
 def score(reward_fn, completion, row) -> float:
@@ -1296,11 +1271,9 @@ def score(reward_fn, completion, row) -> float:
             f"the reward {reward_fn.__module__}:{reward_fn.__name__} raised {type(e).__name__}: "
             f"{e}, scoring the completion {completion!r} of the row {row!r}"
         ) from e
-    if value is None:
-        return math.nan
-    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+    if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
         raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
-    return float(value)
+    return math.nan if value is None else float(value)
 
 
 # -- evaluation ------------------------------------------------------------------------------------
@@ -1321,7 +1294,7 @@ def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's weights, each added to
     --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
     eval_metrics' pass@k and maj@k."""
-    rewards = reward_functions(cfg)
+    rewards = Rewards(cfg)
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
         if len(samples) != cfg.eval_n:
@@ -1330,7 +1303,7 @@ def evaluate(client, rows, cfg):
         for sample in samples:
             episode = isinstance(sample, Episode)
             text = sample.turns[-1]["text"] if episode else sample.text
-            reward, _ = rewards(text, row)
+            reward = rewards(text, row)["reward"]
             group.append(
                 {
                     "prompt": row["prompt"],
@@ -1456,11 +1429,8 @@ def start_run(cfg, opt, rng, data):
         state = torch.load(state_path(cfg.resume), weights_only=True)
         opt.load_state_dict(state["optimizer"])
         # the optimizer's state brings back the learning rate it was saved with: --lr decides
-        saved_lr = opt.param_groups[0]["lr"]
         for group in opt.param_groups:
             group["lr"] = cfg.lr
-        if saved_lr != cfg.lr:
-            print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
         rng.setstate(state["rng"])
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
@@ -1483,17 +1453,18 @@ def main(argv=None):
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
         if dist.get_rank() > 0:
             return follow()
-    # without --model, --eval-only --server-url evaluates the weights that server holds
-    if not cfg.model and not (cfg.eval_only and cfg.server_url):
-        cfg.model = builtin_model(cfg)
-    print(json.dumps(asdict(cfg)))
-    # before any server starts: a run is never overwritten, and every row of the data is checked
-    if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
-        sys.exit(f"{cfg.out} holds a run: continue it with --resume, or choose another --out")
+    # before anything else: every row of the data is checked, a file that is not there said
     try:
         data = load_data(cfg)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    # without --model, --eval-only --server-url evaluates the weights that server holds
+    if not cfg.model and not (cfg.eval_only and cfg.server_url):
+        cfg.model = builtin_model(cfg)
+    print(json.dumps(asdict(cfg)))
+    # before any server starts: a run is never overwritten
+    if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
+        sys.exit(f"{cfg.out} holds a run: continue it with --resume, or choose another --out")
     os.makedirs(cfg.out, exist_ok=True)
     servers = []  # (process, Client) of each server started here, added as it comes up
     try:
@@ -1604,16 +1575,9 @@ class ShardedPolicy(Policy):
         rank = dist.get_rank()
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
         share = slice(rank * len(seqs) // self.ranks, (rank + 1) * len(seqs) // self.ranks)
-        _, weights, deltas, loss, flops = backward(
-            self.model,
-            seqs[share],
-            advantages[share],
-            version,
-            self.cfg,
-            pad_id,
-            measure_all,
-            False,
-        )
+        mine = (seqs[share], advantages[share], version, self.cfg, pad_id, measure_all)
+        # skip off: every rank runs as many forward/backward passes as the others (see backward)
+        _, weights, deltas, loss, flops = backward(self.model, *mine, skip=False)
         # the statistics of every rank's share
         shares = [None] * self.ranks
         dist.all_gather_object(shares, (weights, deltas, loss, flops))

@@ -77,7 +77,7 @@ def main():
     )
     base, final = train.builtin_folders(cfg)
     _, held_out = train.load_data(cfg)
-    rewards = train.reward_functions(cfg)
+    rewards = train.Rewards(cfg)
     start = time.time()
 
     def milestone(step, model, tok):
@@ -132,9 +132,9 @@ def accuracy(model, tok, rows, rewards, max_tokens, n=8):
     model.train()
     width = batch.input_ids.shape[1]
     texts = tok.batch_decode(sampled[:, width:], skip_special_tokens=True)
-    rights = [rewards(text, rows[i // n])[0] == 1 for i, text in enumerate(texts)]
+    rights = [rewards(text, rows[i // n])["reward"] == 1 for i, text in enumerate(texts)]
     greedy_texts = tok.batch_decode(greedy[:, width:], skip_special_tokens=True)
-    greedy_rights = [rewards(t, row)[0] == 1 for t, row in zip(greedy_texts, rows)]
+    greedy_rights = [rewards(t, row)["reward"] == 1 for t, row in zip(greedy_texts, rows)]
     return sum(rights) / len(rights), sum(greedy_rights) / len(greedy_rights)
 
 

@@ -18,6 +18,11 @@ def half_where_odd(completion, row):
     return 0.5 if int(row["answer"]) % 2 else None
 
 
+def two(completion, row):
+    """2: out of [0, 1], refused."""
+    return 2.0
+
+
 def boxed(completion, row):
     """1 if the completion's last \\boxed{...} holds the row's answer, else 0."""
     boxes = re.findall(r"\\boxed\{([^}]*)\}", completion)

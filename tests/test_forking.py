@@ -100,7 +100,7 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
     )
     assert (
         train.sequence(
-            {"prompt": "p", "answer": "42"}, episode, train.Rewards([tasks.answer_reward])
+            {"prompt": "p", "answer": "42"}, episode, train.Rewards(train.Config(model="m"))
         ).reward
         == 1.0
     )
@@ -149,17 +149,17 @@ def dataset_forms(folder):
 
 
 def test_each_form_of_dataset_gives_the_rows_with_prompt_and_answer_beside_their_columns(tmp_path):
-    gsm8k = train.Rewards([tasks.gsm8k_reward])
-    cfg = train.Config(model="m", prompt_column="question", answer_column="answer")
+    cfg = train.Config(model="m", prompt_column="question", reward="tasks:gsm8k_reward")
+    gsm8k = train.Rewards(cfg)
     for path in dataset_forms(tmp_path):
-        rows = train.read_dataset(path, gsm8k, cfg)
+        rows = train.read_dataset(path, cfg)
         assert [r["prompt"] for r in rows] == ["0+1=", "1+1=", "2+1="], path
         assert [(r["question"], r["answer"], r["n"]) for r in rows] == [
             (r["question"], r["answer"], r["n"]) for r in GSM8K_ROWS
         ], path
-        assert gsm8k("1", rows[0]) == (1.0, [1.0])
+        assert gsm8k("1", rows[0]) == {"reward": 1.0, "rewards": [1.0]}
     cfg.dataset_split = "test"
-    assert len(train.read_dataset(str(tmp_path / "saved"), gsm8k, cfg)) == 1
+    assert len(train.read_dataset(str(tmp_path / "saved"), cfg)) == 1
 
 
 def test_a_hub_name_and_its_config_go_to_load_dataset_with_the_split(tmp_path, monkeypatch):
@@ -174,9 +174,11 @@ def test_a_hub_name_and_its_config_go_to_load_dataset_with_the_split(tmp_path, m
         return datasets.Dataset.from_list(GSM8K_ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    cfg = train.Config(model="m", prompt_column="question", dataset_split="test")
+    cfg = train.Config(
+        model="m", prompt_column="question", dataset_split="test", reward="tasks:gsm8k_reward"
+    )
     for name in ("openai/gsm8k:main", "openai/gsm8k"):
-        rows = train.read_dataset(name, train.Rewards([tasks.gsm8k_reward]), cfg)
+        rows = train.read_dataset(name, cfg)
         assert len(rows) == 3 and rows[0]["prompt"] == "0+1="
     assert calls == [
         (("openai/gsm8k", "main"), {"split": "test"}),
@@ -187,10 +189,11 @@ def test_a_hub_name_and_its_config_go_to_load_dataset_with_the_split(tmp_path, m
 def test_conversational_prompts_are_taken_as_messages():
     messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
     row = {"prompt": messages, "answer": "2", "task": "t"}
-    train.check_row(row, train.Rewards([tasks.answer_reward]))
+    rewards = train.Rewards(train.Config(model="m"))
+    train.check_row(row, rewards)
     for bad in ([], [{"role": "user"}], ["1+1="], [{"role": "user", "content": 2}]):
         with pytest.raises(ValueError, match="a list of"):
-            train.check_row(row | {"prompt": bad}, train.Rewards([tasks.answer_reward]))
+            train.check_row(row | {"prompt": bad}, rewards)
 
 
 def test_eval_dataset_gives_the_held_out_prompts(tmp_path):
@@ -205,11 +208,12 @@ def test_eval_dataset_gives_the_held_out_prompts(tmp_path):
 
 
 def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):
-    cfg = train.Config(model="m", dataset=write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}]))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p"}])
+    cfg = train.Config(model="m", dataset=data, reward="tests.my_rewards:two")
     with pytest.raises(ValueError, match="2 for 'p'"):
         train.score(lambda completion, row: 2, "", {"prompt": "p"})
     with pytest.raises(ValueError, match="row 0"):
-        train.read_dataset(cfg.dataset, train.Rewards([lambda completion, row: 2]), cfg)
+        train.read_dataset(cfg.dataset, cfg)
 
 
 def test_evaluation_labels_a_dataset_by_its_rows_tasks_or_its_file(server, model_path, tmp_path):

@@ -341,20 +341,18 @@ def test_format_reward_matches_think_then_an_answer_or_the_rows_own_pattern():
 
 
 def test_several_rewards_add_by_weight_and_a_none_is_absent_not_zero():
-    def right(completion, row):
-        return float(completion == row["answer"])
-
-    def short(completion, row):
-        # applies only to rows that ask for it
-        return float(len(completion) < 3) if row.get("short") else None
-
-    rewards = train.Rewards([right, short], [1.0, 0.5])
-    assert rewards("7", {"answer": "7", "short": True}) == (1.5, [1.0, 1.0])
-    total, each = rewards("7", {"answer": "7"})
-    assert total == 1.0 and each[0] == 1.0 and math.isnan(each[1])
+    reward = "tasks:answer_reward,tests.my_rewards:half_where_odd"
+    rewards = train.Rewards(train.Config(model="m", reward=reward, reward_weights="1,0.5"))
+    assert rewards("so 3", {"prompt": "1+2=", "answer": "3"}) == {
+        "reward": 1.25,
+        "rewards": [1, 0.5],
+    }
+    scored = rewards("so 4", {"prompt": "2+2=", "answer": "4"})
+    assert scored["reward"] == 1.0 and scored["rewards"][0] == 1.0
+    assert math.isnan(scored["rewards"][1])
     # each function's mean over the samples it applies to
-    metrics = train.reward_metrics(["right", "short"], torch.tensor([[1.0, math.nan], [0.0, 0.5]]))
-    assert metrics == {"reward/right": 0.5, "reward/short": 0.5}
+    metrics = train.reward_metrics(["right", "odd"], torch.tensor([[1.0, math.nan], [0.0, 0.5]]))
+    assert metrics == {"reward/right": 0.5, "reward/odd": 0.5}
 
 
 def test_each_reward_is_logged_beside_the_sum(
@@ -1131,7 +1129,7 @@ def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_index(tmp_pat
     rows += [{"prompt": "b", "answer": ""}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as refused:
-        train.read_dataset(str(data), train.Rewards([tasks.answer_reward]), train.Config(model="m"))
+        train.read_dataset(str(data), train.Config(model="m"))
     assert 'row 1: ValueError: "answer" is null' in str(refused.value)
     assert 'row 2: ValueError: "answer" is ""' in str(refused.value)
 
