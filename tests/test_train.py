@@ -1091,7 +1091,9 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
     assert os.path.getsize(os.path.join(out, "plot.png")) > 10_000
     checkpoint = os.readlink(os.path.join(out, "checkpoint"))
     files = [f for f in os.listdir(out) if not f.startswith("events.out.tfevents.")]
-    assert sorted(files) == ["checkpoint", checkpoint, "metrics.jsonl", "plot.png"]
+    assert sorted(files) == sorted(
+        ["checkpoint", checkpoint, "config.yaml", "metrics.jsonl", "plot.png"]
+    )
     history = train.main(["--resume", out, "--server-url", server.base_url])
     assert [h["step"] for h in history] == [0, 1, 2, 3]
 
