@@ -251,7 +251,8 @@ def resumed_settings(given, parser):
         return given
     saved = parse_flags(parser, config_flags(os.path.join(given["resume"], "config.yaml")))
     for name, value in given.items():
-        if name not in saved or saved[name] == value or name == "resume":
+        # --lr: start_run says it, against the optimizer's own
+        if name not in saved or saved[name] == value or name in ("resume", "lr"):
             continue
         if name in DATA_ORDER:
             raise ValueError(
@@ -1429,8 +1430,11 @@ def start_run(cfg, opt, rng, data):
         state = torch.load(state_path(cfg.resume), weights_only=True)
         opt.load_state_dict(state["optimizer"])
         # the optimizer's state brings back the learning rate it was saved with: --lr decides
+        saved_lr = opt.param_groups[0]["lr"]
         for group in opt.param_groups:
             group["lr"] = cfg.lr
+        if saved_lr != cfg.lr:
+            print(f"--lr {cfg.lr} from here on (the checkpoint's was {saved_lr})", file=sys.stderr)
         rng.setstate(state["rng"])
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
