@@ -6,6 +6,9 @@
         --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
     python train.py --dataset my.jsonl --reward my_rewards:boxed --save-every 20 --out runs/mine
     python train.py --resume runs/mine --steps 200     # goes on from its last checkpoint
+    python train.py --config runs/mine/config.yaml --out runs/b    # a new run with those flags
+    python train.py --dataset openai/gsm8k:main --prompt-column question \\
+        --reward tasks:gsm8k_reward,tasks:format_reward --reward-weights 1,0.2
     python train.py --eval-only --model runs/mine/checkpoint --dataset my.jsonl
 
 Where this departs from the GRPO paper:
@@ -219,8 +222,7 @@ def parse_flags(parser, argv) -> dict:
 def config_flags(path) -> list[str]:
     """The flags that a YAML file's mapping of flag names sets (`max_staleness: 1`, a list as a
     comma list); a name that is no flag is a ValueError naming the nearest one."""
-    with open(path) as f:
-        settings = yaml.safe_load(f) or {}
+    settings = yaml.safe_load(Path(path).read_text()) or {}
     names = [f.name for f in fields(Config)]
     argv = []
     for name, value in settings.items():

@@ -367,6 +367,8 @@ def test_each_reward_is_logged_beside_the_sum(
         assert 0 <= row["reward"] <= 1
     logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [row["reward/zero"] for row in logged] == [0.0, 0.0]
+    # TensorBoard's scalars
+    assert plot.scalars(logged[0])["reward/zero"] == 0.0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert "reward/zero 0.00" in lines[0] and "reward/half_where_odd" in lines[0]
 
