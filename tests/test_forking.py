@@ -100,7 +100,9 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
     )
     assert (
         train.sequence(
-            {"prompt": "p", "answer": "42"}, episode, train.Rewards(train.Config(model="m"))
+            {"prompt": "p", "answer": "42"},
+            episode,
+            train.Rewards(train.Config(model="m", reward="tasks:answer_reward")),
         ).reward
         == 1.0
     )

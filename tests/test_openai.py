@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tasks
 import train
 from client import ServerError
 from conftest import position_gradients
+
+# train.py's default reward for data of one's own
+ANSWER_REWARD = train.Rewards(train.Config(model="m", reward="tasks:answer_reward"))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,7 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
     assert sampled == [t for c in calls for t in c["completion_token_ids"]]
     # one GRPO-style step on it: gradient reaches exactly the positions that predict sampled tokens
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    seq = train.sequence({"answer": "3"}, episode, tasks.answer_reward)
+    seq = train.sequence({"answer": "3"}, episode, ANSWER_REWARD)
     grad = position_gradients(
         model,
         lambda: train.backward(
@@ -174,7 +176,7 @@ def test_a_merged_session_keeps_each_calls_weight_version(oa, model_name, server
     agent.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
     calls, episode = server.session("agent-3")
     assert episode is not None, calls
-    versions = train.sequence({"answer": ""}, episode, tasks.answer_reward).versions
+    versions = train.sequence({"answer": ""}, episode, ANSWER_REWARD).versions
     sampled = [v for v, m in zip(versions, episode.loss_mask) if m]
     first, second = (len(c["completion_token_ids"]) for c in calls)
     v0 = calls[0]["weight_version"]
