@@ -119,7 +119,7 @@ FORMAT_PATTERN = r"\s*<think>.*?</think>\s*\S.*"
 
 def format_reward(completion: str, row: dict) -> float:
     """1 if the whole completion matches the row's "format_pattern" (a regular expression, `.`
-    matching newlines too), else FORMAT_PATTERN; else 0."""
+    matching newlines too), or FORMAT_PATTERN where the row has none; else 0."""
     return float(bool(re.fullmatch(row.get("format_pattern") or FORMAT_PATTERN, completion, re.S)))
 
 

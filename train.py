@@ -1222,8 +1222,8 @@ def load_rows(name, cfg) -> list[dict]:
 
 def check_row(row, rewards):
     """Raise ValueError unless the row's "prompt" is a string or a list of {"role", "content"}
-    messages (TRL's conversational format), its "answer" (if any) something,
-    and the rewards score it (an empty completion must get a number in [0, 1] or None)."""
+    messages (TRL's conversational format), its "answer" (if any) is something, and the rewards
+    score it (an empty completion must get a number in [0, 1] or None)."""
     if not (isinstance(row["prompt"], str) or is_conversational(row["prompt"])):
         raise ValueError('"prompt" must be a string or a list of {"role", "content"} messages')
     if "answer" in row and row["answer"] in (None, ""):
