@@ -89,7 +89,7 @@ class Config:
     reward: str = flag("", "module:function,...: (completion, row) -> [0, 1] or None (Rewards)")
     reward_weights: str = flag("", "w1,w2,...: each --reward's weight in the sum (default 1)")
     success_threshold: float = flag(1.0, "a reward (the sum) of at least this is a success")
-    task: str = flag("addition", "the built-in data, reward and tools (TASKS)", lambda: list(TASKS))
+    task: str = flag("addition", "the built-in data, reward and tools (TASKS)", list(TASKS))
     max_turns: int = flag(3, "tool episodes: model turns per episode", at_least=1)
     tools: str = flag("", "tool episodes with these server tools, NAME,... (calculator: calc)")
     dtype: str = flag("", "dtype of the served weights: float32, or with --server-url the server's")
@@ -191,10 +191,7 @@ def parse_config(argv=None) -> Config:
         if f.type is bool:
             options = {"action": argparse.BooleanOptionalAction}
         else:
-            # --task's choices are list(TASKS), defined below: a function
-            choices = f.metadata["choices"]
-            choices = choices() if callable(choices) else choices
-            options = {"type": type(f.default), "choices": choices}
+            options = {"type": type(f.default), "choices": f.metadata["choices"]}
         # --reward given again adds functions (parse_flags joins them)
         if f.name == "reward":
             options["action"] = "append"
