@@ -859,6 +859,18 @@ def takes_one_string(tool) -> bool:
 TOOL_THREADS = 16
 
 
+def turn_params(params, budget, call_end, seed_offset) -> SamplingParams:
+    """An episode turn's sampling: one sample of at most `budget` tokens, ending at `call_end`
+    (kept in the text), its seed (if any) moved by `seed_offset`."""
+    p = params.clone()
+    p.n = 1
+    p.max_tokens = min(params.max_tokens, budget)
+    p.include_stop_str_in_output = True
+    p.stop = list(params.stop or []) + [call_end]
+    p.seed = None if params.seed is None else params.seed + seed_offset
+    return p
+
+
 @dataclass(eq=False)
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
@@ -944,6 +956,7 @@ class RolloutEngine:
         tools=None,
         call_start=None,
         call_end=None,
+        result_format=None,
         k=0,
     ) -> Episode:
         """The `k`-th episode of `prompt`; with a seed, each k samples turns of its own."""
@@ -957,12 +970,7 @@ class RolloutEngine:
             for turn in range(max_turns):
                 # the tokens left after the prompt, for sampled and tool output alike
                 budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
-                p = params.clone()
-                p.n = 1
-                p.max_tokens = min(params.max_tokens, budget)
-                p.include_stop_str_in_output = True
-                p.stop = list(params.stop or []) + [call_end]
-                p.seed = None if params.seed is None else params.seed + 1000 * k + turn
+                p = turn_params(params, budget, call_end, 1000 * k + turn)
                 [[c]] = await self.engine.generate([ep.token_ids], p, in_episode=True)
                 ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
                 # exactly as sampled: never re-tokenised
@@ -980,14 +988,14 @@ class RolloutEngine:
                 ep.tool_calls.append({"name": name, "argument": argument, "result": result})
                 # the next turn's text starts after the tool's output
                 text = ""
-                cut = self.append_output(ep, result, budget - len(c.token_ids))
+                cut = self.append_output(ep, result, budget - len(c.token_ids), result_format)
                 if cut:
                     ep.finish_reason = cut
                     break
         return ep
 
-    def append_output(self, ep, result, budget) -> str | None:
-        """Append a tool's `result`, wrapped in `result_format` and tokenised once, cut to the
+    def append_output(self, ep, result, budget, result_format) -> str | None:
+        """Append a tool's `result`, wrapped in `result_format` (its {}) and tokenised, cut to the
         `budget` of tokens the episode has left and to what the context has: where it is cut, the
         episode's finish reason ("budget" or "length")."""
         # the next turn's prompt must leave room for a token: vLLM refuses it otherwise
@@ -995,8 +1003,12 @@ class RolloutEngine:
         # a huge answer is cut in characters before it is tokenised (a token is rarely longer
         # than 16 of them), then in tokens
         room = max(0, min(budget, context))
-        output = self.result_format.format(result[: 16 * (room + 1)])
-        output = self.engine.tokenizer.encode(output, add_special_tokens=False)
+        before, _, after = (result_format or self.result_format).partition("{}")
+        # the wrapping may be a chat template's `tool` message, special tokens and all: tokenised
+        # apart from the answer
+        output = []
+        for piece in (before, result[: 16 * (room + 1)], after):
+            output += self.engine.tokenizer.encode(piece, add_special_tokens=False)
         ep.append(output[:room], None)
         if context < budget and len(output) > context:
             return "length"
@@ -1004,7 +1016,8 @@ class RolloutEngine:
 
     async def rollout(self, prompts, params: SamplingParams, *options):
         """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:
-        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end)."""
+        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end,
+        result_format)."""
         per_prompt = [
             asyncio.gather(*(self.episode(prompt, params, *options, k=k) for k in range(params.n)))
             for prompt in prompts

@@ -19,6 +19,7 @@ Where this departs from the GRPO paper:
 import argparse
 import collections
 import contextlib
+import functools
 import gc
 import importlib.util
 import json
@@ -76,6 +77,8 @@ class Config:
     model_size: str = flag("tiny", "the built-in model's shape (local.SHAPES)", list(SHAPES))
     warm_start_steps: int = flag(100, "supervised steps teaching the built-in model the task")
     dataset: str = flag("", 'jsonl: a row per line, {"prompt", "answer", "task" (optional), ...}')
+    chat_template: str = flag("", "a Jinja file: the chat template of conversational rows")
+    system_prompt: str = flag("", "a system message first in each row (makes a string the user's)")
     reward: str = flag("", "module:function scoring (completion, row) in [0, 1] (default: ours)")
     success_threshold: float = flag(1.0, "a reward of at least this is a success (pass@k)")
     task: str = flag("addition", "the built-in data, reward and tools (TASKS)", lambda: list(TASKS))
@@ -145,6 +148,8 @@ class Config:
             )
         if self.dataset and not os.path.exists(self.dataset):
             raise ValueError(f"no dataset file {self.dataset}")
+        if self.chat_template and not os.path.exists(self.chat_template):
+            raise ValueError(f"no chat template file {self.chat_template}")
         if not 0 < self.success_threshold <= 1:
             raise ValueError("success_threshold must be in (0, 1]")
         if self.resume and not os.path.exists(state_path(self.resume)):
@@ -230,10 +235,10 @@ def train(cfg: Config, client: Client, data=None):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     data, held_out = data or load_data(cfg)
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     # under torchrun its sharded twin: the loop below is the same
     policy_type = ShardedPolicy if dist.is_initialized() else Policy
-    policy = policy_type(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
+    policy = policy_type(cfg, (tok, " ".join(prompt_text(r, cfg) for r in data[:4])))
     start, queued_rows, history = start_run(cfg, policy.opt, rng, data)
     # the server samples from exactly our weights
     rollouts = Rollouts(client, cfg, policy.weights(cfg.dtype), queued_rows, start)
@@ -488,16 +493,21 @@ def episode_tools(cfg) -> list[str]:
     return list(TASKS[cfg.task].tools)
 
 
-def submit_prompts(client, prompts, cfg, **sampling):
-    """Each prompt its own request: completions, or with episode_tools multi-turn tool episodes.
-    Their RemoteFutures, in the prompts' order."""
+def submit_prompts(client, rows, cfg, **sampling):
+    """Each row's prompt its own request: completions, or with episode_tools multi-turn tool
+    episodes. Their RemoteFutures, in the rows' order."""
     tools = episode_tools(cfg)
+    schemas = chat_tools(client, cfg)
+    prompts = [server_prompt(row, cfg, schemas) for row in rows]
     if not tools:
         # all in one call: the engine decodes one big batch
         return client.submit_each(prompts, **sampling)
     # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
     episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
     episode = dict(tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens)
+    if any(is_chat(row, cfg) for row in rows):
+        # a chat model reads each tool's answer as its template's `tool` message
+        episode["result_format"] = tool_message_format(cfg)
     return [client.rollout([prompt], is_async=True, **episode, **sampling) for prompt in prompts]
 
 
@@ -516,7 +526,7 @@ def submit_rollouts(client, rows, cfg, min_version=0):
     if cfg.seed_requests:
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
-    return submit_prompts(client, [r["prompt"] for r in rows], cfg, **sampling)
+    return submit_prompts(client, rows, cfg, **sampling)
 
 
 def collect(client, rows, futures, cfg):
@@ -1079,9 +1089,10 @@ def load_data(cfg):
         return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
     count = cfg.eval_prompts or (None if cfg.eval_only and cfg.dataset else 8)
-    held_out = list({r["prompt"]: r for r in data}.values())[:count]
-    prompts = {r["prompt"] for r in held_out}
-    data = [r for r in data if r["prompt"] not in prompts]
+    # a prompt may be a list of messages: compared as JSON
+    held_out = list({json.dumps(r["prompt"]): r for r in data}.values())[:count]
+    prompts = {json.dumps(r["prompt"]) for r in held_out}
+    data = [r for r in data if json.dumps(r["prompt"]) not in prompts]
     if not data and not cfg.eval_only:
         raise ValueError(
             f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts"
@@ -1104,8 +1115,8 @@ def read_dataset(path, reward_fn):
         try:
             row = json.loads(line)
             row.setdefault("task", task)
-            if not isinstance(row["prompt"], str) or not isinstance(row["task"], str):
-                raise ValueError('"prompt" and "task" must be strings')
+            if not isinstance(row["prompt"], (str, list)) or not isinstance(row["task"], str):
+                raise ValueError('"prompt" must be a string or a list of messages, "task" a string')
             if "answer" in row and row["answer"] in (None, ""):
                 raise ValueError(
                     f'"answer" is {json.dumps(row["answer"])}: nothing to score against'
@@ -1120,6 +1131,71 @@ def read_dataset(path, reward_fn):
         shown = "; ".join(errors[:5]) or "no rows"
         raise ValueError(f"{path}: {len(errors)} bad lines of {len(lines)}: {shown}")
     return rows
+
+
+# -- conversational rows: messages rendered by the chat template, on the trainer's side ------------
+@functools.cache
+def load_tokenizer(model, chat_template=""):
+    """--model's tokenizer; its chat template --chat-template's file, if given."""
+    tok = AutoTokenizer.from_pretrained(model)
+    if chat_template:
+        tok.chat_template = Path(chat_template).read_text()
+    return tok
+
+
+def is_chat(row, cfg) -> bool:
+    """Whether the row's prompt goes through the chat template: a list of messages (TRL's
+    conversational format), or with --system-prompt any prompt (a string is the user's message)."""
+    return not isinstance(row["prompt"], str) or bool(cfg.system_prompt)
+
+
+def prompt_text(row, cfg, tools=None) -> str:
+    """The row's prompt as the model sees it: a plain one as it is; a chat one (is_chat) rendered
+    by the chat template with `tools` (OpenAI schemas) and the assistant's turn opened,
+    --system-prompt first where it has no system message."""
+    if not is_chat(row, cfg):
+        return row["prompt"]
+    messages = row["prompt"]
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    if not tok.chat_template:
+        raise ValueError(
+            f"conversational rows need a chat template, and {cfg.model}'s tokenizer has none: "
+            "give one with --chat-template FILE (a Jinja file)"
+        )
+    return tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+
+
+def server_prompt(row, cfg, tools=None):
+    """The prompt the server samples after: a plain one as it is; a chat one rendered here as token
+    ids, so that the server samples after exactly the tokens the trainer scores."""
+    if not is_chat(row, cfg):
+        return row["prompt"]
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    # the template writes its special tokens itself (a BOS among them)
+    return tok.encode(prompt_text(row, cfg, tools), add_special_tokens=False)
+
+
+def chat_tools(client, cfg):
+    """The episodes' tools (episode_tools) as OpenAI schemas, for the chat template (or None)."""
+    names = episode_tools(cfg)
+    return [s for s in client.tools() if s["function"]["name"] in names] if names else None
+
+
+def tool_message_format(cfg) -> str:
+    """What the chat template writes after an assistant turn that calls a tool, up to the next
+    assistant turn's start, {} where the tool's answer goes: /rollout's `result_format`."""
+    call, answer = "\x00call\x00", "\x00answer\x00"
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": call}]
+    messages.append({"role": "tool", "content": answer})
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text.rpartition(call)[2].replace(answer, "{}")
 
 
 # -- the reward: --reward's function, or the task's ------------------------------------------------
@@ -1163,6 +1239,7 @@ def evaluate(client, rows, cfg):
     --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
     eval_metrics' pass@k and maj@k."""
     reward_fn = reward_function(cfg)
+    tools = chat_tools(client, cfg)
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
         if len(samples) != cfg.eval_n:
@@ -1174,7 +1251,8 @@ def evaluate(client, rows, cfg):
             reward = score(reward_fn, text, row)
             group.append(
                 {
-                    "prompt": row["prompt"],
+                    # as the model saw it: a conversational row's rendered by the chat template
+                    "prompt": prompt_text(row, cfg, tools),
                     "task": row.get("task", cfg.task),
                     "completion": text,
                     "reward": reward,
@@ -1196,7 +1274,7 @@ def sample_held_out(client, rows, cfg):
     greedy = {"temperature": 1.0, "top_k": 1}
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
     sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
-    futures = submit_prompts(client, [r["prompt"] for r in rows], cfg, **sampling)
+    futures = submit_prompts(client, rows, cfg, **sampling)
     results = {}
     bar = tqdm(
         client.as_completed(futures), desc="held-out", total=len(futures), leave=False, disable=None
@@ -1332,6 +1410,9 @@ def main(argv=None):
         sys.exit(f"{cfg.out} holds a run: continue it with --resume, or choose another --out")
     try:
         data = load_data(cfg)
+        # a conversational row without a chat template is refused now, before any server starts
+        for row in data[0][:1] + data[1][:1]:
+            prompt_text(row, cfg)
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(cfg.out, exist_ok=True)
