@@ -859,18 +859,6 @@ def takes_one_string(tool) -> bool:
 TOOL_THREADS = 16
 
 
-def turn_params(params, budget, call_end, seed_offset) -> SamplingParams:
-    """An episode turn's sampling: one sample of at most `budget` tokens, ending at `call_end`
-    (kept in the text), its seed (if any) moved by `seed_offset`."""
-    p = params.clone()
-    p.n = 1
-    p.max_tokens = min(params.max_tokens, budget)
-    p.include_stop_str_in_output = True
-    p.stop = list(params.stop or []) + [call_end]
-    p.seed = None if params.seed is None else params.seed + seed_offset
-    return p
-
-
 @dataclass(eq=False)
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
@@ -970,7 +958,12 @@ class RolloutEngine:
             for turn in range(max_turns):
                 # the tokens left after the prompt, for sampled and tool output alike
                 budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
-                p = turn_params(params, budget, call_end, 1000 * k + turn)
+                p = params.clone()
+                p.n = 1
+                p.max_tokens = min(params.max_tokens, budget)
+                p.include_stop_str_in_output = True
+                p.stop = list(params.stop or []) + [call_end]
+                p.seed = None if params.seed is None else params.seed + 1000 * k + turn
                 [[c]] = await self.engine.generate([ep.token_ids], p, in_episode=True)
                 ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
                 # exactly as sampled: never re-tokenised
@@ -988,8 +981,7 @@ class RolloutEngine:
                 ep.tool_calls.append({"name": name, "argument": argument, "result": result})
                 # the next turn's text starts after the tool's output
                 text = ""
-                cut = self.append_output(ep, result, budget - len(c.token_ids), result_format)
-                if cut:
+                if cut := self.append_output(ep, result, budget - len(c.token_ids), result_format):
                     ep.finish_reason = cut
                     break
         return ep

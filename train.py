@@ -238,7 +238,7 @@ def train(cfg: Config, client: Client, data=None):
     tok = load_tokenizer(cfg.model, cfg.chat_template)
     # under torchrun its sharded twin: the loop below is the same
     policy_type = ShardedPolicy if dist.is_initialized() else Policy
-    policy = policy_type(cfg, (tok, " ".join(prompt_text(r, cfg) for r in data[:4])))
+    policy = policy_type(cfg, (tok, " ".join(rendered_prompt(r, cfg) for r in data[:4])))
     start, queued_rows, history = start_run(cfg, policy.opt, rng, data)
     # the server samples from exactly our weights
     rollouts = Rollouts(client, cfg, policy.weights(cfg.dtype), queued_rows, start)
@@ -498,7 +498,7 @@ def submit_prompts(client, rows, cfg, **sampling):
     episodes. Their RemoteFutures, in the rows' order."""
     tools = episode_tools(cfg)
     schemas = chat_tools(client, cfg)
-    prompts = [server_prompt(row, cfg, schemas) for row in rows]
+    prompts = [rendered_prompt(row, cfg, schemas, tokenize=True) for row in rows]
     if not tools:
         # all in one call: the engine decodes one big batch
         return client.submit_each(prompts, **sampling)
@@ -1149,10 +1149,11 @@ def is_chat(row, cfg) -> bool:
     return not isinstance(row["prompt"], str) or bool(cfg.system_prompt)
 
 
-def prompt_text(row, cfg, tools=None) -> str:
+def rendered_prompt(row, cfg, tools=None, tokenize=False):
     """The row's prompt as the model sees it: a plain one as it is; a chat one (is_chat) rendered
     by the chat template with `tools` (OpenAI schemas) and the assistant's turn opened,
-    --system-prompt first where it has no system message."""
+    --system-prompt first where it has no system message. With `tokenize`, a chat one's token ids:
+    the server gets those, and samples after exactly the tokens the trainer scores."""
     if not is_chat(row, cfg):
         return row["prompt"]
     messages = row["prompt"]
@@ -1162,23 +1163,10 @@ def prompt_text(row, cfg, tools=None) -> str:
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     tok = load_tokenizer(cfg.model, cfg.chat_template)
     if not tok.chat_template:
-        raise ValueError(
-            f"conversational rows need a chat template, and {cfg.model}'s tokenizer has none: "
-            "give one with --chat-template FILE (a Jinja file)"
-        )
-    return tok.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True
-    )
-
-
-def server_prompt(row, cfg, tools=None):
-    """The prompt the server samples after: a plain one as it is; a chat one rendered here as token
-    ids, so that the server samples after exactly the tokens the trainer scores."""
-    if not is_chat(row, cfg):
-        return row["prompt"]
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
-    # the template writes its special tokens itself (a BOS among them)
-    return tok.encode(prompt_text(row, cfg, tools), add_special_tokens=False)
+        raise ValueError(f"{cfg.model} has no chat template: give one with --chat-template FILE")
+    # tokenised, the template's special tokens (a BOS among them) are the template's alone
+    options = dict(tools=tools, tokenize=tokenize, return_dict=False, add_generation_prompt=True)
+    return tok.apply_chat_template(messages, **options)
 
 
 def chat_tools(client, cfg):
@@ -1193,8 +1181,7 @@ def tool_message_format(cfg) -> str:
     call, answer = "\x00call\x00", "\x00answer\x00"
     messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": call}]
     messages.append({"role": "tool", "content": answer})
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = rendered_prompt({"prompt": messages}, cfg)
     return text.rpartition(call)[2].replace(answer, "{}")
 
 
@@ -1252,7 +1239,7 @@ def evaluate(client, rows, cfg):
             group.append(
                 {
                     # as the model saw it: a conversational row's rendered by the chat template
-                    "prompt": prompt_text(row, cfg, tools),
+                    "prompt": rendered_prompt(row, cfg, tools),
                     "task": row.get("task", cfg.task),
                     "completion": text,
                     "reward": reward,
@@ -1412,7 +1399,7 @@ def main(argv=None):
         data = load_data(cfg)
         # a conversational row without a chat template is refused now, before any server starts
         for row in data[0][:1] + data[1][:1]:
-            prompt_text(row, cfg)
+            rendered_prompt(row, cfg)
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(cfg.out, exist_ok=True)

@@ -1055,7 +1055,7 @@ def test_system_prompt_is_added_only_to_conversations_without_one(model_path, tm
         # a string prompt is the user's message
         ("1+1=", [added, user]),
     ]:
-        assert train.prompt_text({"prompt": prompt}, cfg) == rendered(model_path, messages)
+        assert train.rendered_prompt({"prompt": prompt}, cfg) == rendered(model_path, messages)
 
 
 def test_conversational_rows_without_a_chat_template_are_refused_naming_chat_template(
@@ -1074,7 +1074,9 @@ def test_conversational_rows_without_a_chat_template_are_refused_naming_chat_tem
     args = ["--model", str(folder), "--dataset", str(data), "--server-url", "http://127.0.0.1:9"]
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--out", str(tmp_path / "run")])
-    assert "has none" in str(e.value.code) and "--chat-template FILE" in str(e.value.code)
+    assert "has no chat template" in str(e.value.code) and "--chat-template FILE" in str(
+        e.value.code
+    )
 
 
 MESSAGES_REWARD = '''
