@@ -2,8 +2,7 @@
 
     python train.py                      # demo: the tiny model learns addition (minutes on a CPU)
     python train.py --schedule sync-batch    # the synchronous loop, for comparison
-    python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
-        --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
+    python train.py --config examples/run.yaml   # GSM8K on Qwen2.5-0.5B-Instruct, on a GPU
     python train.py --dataset my.jsonl --reward my_rewards:boxed --save-every 20 --out runs/mine
     python train.py --resume runs/mine --steps 200     # goes on from its last checkpoint
     python train.py --eval-only --model runs/mine/checkpoint --dataset my.jsonl
