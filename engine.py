@@ -998,9 +998,8 @@ class RolloutEngine:
         before, _, after = (result_format or self.result_format).partition("{}")
         # the wrapping may be a chat template's `tool` message, special tokens and all: tokenised
         # apart from the answer
-        output = []
-        for piece in (before, result[: 16 * (room + 1)], after):
-            output += self.engine.tokenizer.encode(piece, add_special_tokens=False)
+        encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
+        output = encode(before) + encode(result[: 16 * (room + 1)]) + encode(after)
         ep.append(output[:room], None)
         if context < budget and len(output) > context:
             return "length"

@@ -379,11 +379,9 @@ async def rollout_route(request):
         raise ApiError(f"'tools' must be a list of registered tool names: {rollouts.tool_names}")
     call_start = checked_field(given, "call_start", str, rollouts.call_start)
     call_end = checked_field(given, "call_end", str, rollouts.call_end)
-    if not call_start or not call_end:
-        raise ApiError("'call_start' and 'call_end' must be non-empty strings")
     result_format = checked_field(given, "result_format", str, rollouts.result_format)
-    if "{}" not in result_format:
-        raise ApiError("'result_format' must hold {} where the tool's answer goes")
+    if not call_start or not call_end or "{}" not in result_format:
+        raise ApiError("'call_start', 'call_end' must be non-empty, 'result_format' hold {}")
     nbytes = await check_room(request)
     episode_options = (max_turns, budget, tools, call_start, call_end, result_format)
     request_id = add_request(

@@ -496,7 +496,7 @@ def submit_prompts(client, rows, cfg, **sampling):
     """Each row's prompt its own request: completions, or with episode_tools multi-turn tool
     episodes. Their RemoteFutures, in the rows' order."""
     tools = episode_tools(cfg)
-    schemas = chat_tools(client, cfg)
+    schemas = chat_tools(client, tools)
     prompts = [rendered_prompt(row, cfg, schemas, tokenize=True) for row in rows]
     if not tools:
         # all in one call: the engine decodes one big batch
@@ -504,8 +504,9 @@ def submit_prompts(client, rows, cfg, **sampling):
     # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
     episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
     episode = dict(tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens)
-    if any(is_chat(row, cfg) for row in rows):
-        # a chat model reads each tool's answer as its template's `tool` message
+    # rendered prompts (token ids): a chat model reads each tool's answer as its template's `tool`
+    # message
+    if any(isinstance(prompt, list) for prompt in prompts):
         episode["result_format"] = tool_message_format(cfg)
     return [client.rollout([prompt], is_async=True, **episode, **sampling) for prompt in prompts]
 
@@ -1142,20 +1143,15 @@ def load_tokenizer(model, chat_template=""):
     return tok
 
 
-def is_chat(row, cfg) -> bool:
-    """Whether the row's prompt goes through the chat template: a list of messages (TRL's
-    conversational format), or with --system-prompt any prompt (a string is the user's message)."""
-    return not isinstance(row["prompt"], str) or bool(cfg.system_prompt)
-
-
 def rendered_prompt(row, cfg, tools=None, tokenize=False):
-    """The row's prompt as the model sees it: a plain one as it is; a chat one (is_chat) rendered
-    by the chat template with `tools` (OpenAI schemas) and the assistant's turn opened,
-    --system-prompt first where it has no system message. With `tokenize`, a chat one's token ids:
-    the server gets those, and samples after exactly the tokens the trainer scores."""
-    if not is_chat(row, cfg):
-        return row["prompt"]
+    """The row's prompt as the model sees it: a string as it is; a list of messages (TRL's
+    conversational format) rendered by the chat template with `tools` (OpenAI schemas) and the
+    assistant's turn opened, --system-prompt first where it has no system message (with it, a
+    string is the user's message). With `tokenize`, a rendered one's token ids: the server gets
+    those, and samples after exactly the tokens the trainer scores."""
     messages = row["prompt"]
+    if isinstance(messages, str) and not cfg.system_prompt:
+        return messages
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if cfg.system_prompt and messages[0]["role"] != "system":
@@ -1168,9 +1164,8 @@ def rendered_prompt(row, cfg, tools=None, tokenize=False):
     return tok.apply_chat_template(messages, **options)
 
 
-def chat_tools(client, cfg):
-    """The episodes' tools (episode_tools) as OpenAI schemas, for the chat template (or None)."""
-    names = episode_tools(cfg)
+def chat_tools(client, names):
+    """The tools `names` (episode_tools) as OpenAI schemas, for the chat template (or None)."""
     return [s for s in client.tools() if s["function"]["name"] in names] if names else None
 
 
@@ -1225,7 +1220,7 @@ def evaluate(client, rows, cfg):
     --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
     eval_metrics' pass@k and maj@k."""
     reward_fn = reward_function(cfg)
-    tools = chat_tools(client, cfg)
+    tools = chat_tools(client, episode_tools(cfg))
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
         if len(samples) != cfg.eval_n:
