@@ -996,10 +996,11 @@ class RolloutEngine:
         # than 16 of them), then in tokens
         room = max(0, min(budget, context))
         before, _, after = (result_format or self.result_format).partition("{}")
-        # the wrapping may be a chat template's `tool` message, special tokens and all: tokenised
-        # apart from the answer
+        answer = result[: 16 * (room + 1)]
         encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
-        output = encode(before) + encode(result[: 16 * (room + 1)]) + encode(after)
+        # the answer as text (a "<|im_end|>" in it is those characters, not the control token); the
+        # wrapping may be a chat template's `tool` message, whose special tokens are tokens
+        output = encode(before) + encode(answer, split_special_tokens=True) + encode(after)
         ep.append(output[:room], None)
         if context < budget and len(output) > context:
             return "length"

@@ -1089,7 +1089,7 @@ def load_data(cfg):
         return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
     count = cfg.eval_prompts or (None if cfg.eval_only and cfg.dataset else 8)
-    # a prompt may be a list of messages: compared as JSON
+    # a prompt by its JSON: a conversational one is a list
     held_out = list({json.dumps(r["prompt"]): r for r in data}.values())[:count]
     prompts = {json.dumps(r["prompt"]) for r in held_out}
     data = [r for r in data if json.dumps(r["prompt"]) not in prompts]
