@@ -372,6 +372,10 @@ class Client(AbortsOnError):
     def health(self, timeout=10.0):
         return self._request("GET", "/health", timeout=timeout)
 
+    def tools(self):
+        """Every tool /rollout may call, as OpenAI tool schemas (a chat template's `tools`)."""
+        return self._request("GET", "/tools")["tools"]
+
     def abort(self, request_id):
         """Cancel a submitted request on the server (its prompts stop generating) and free it,
         waiting at most 30 s (or the client's timeout, if shorter) for the answer."""
@@ -415,8 +419,9 @@ class Client(AbortsOnError):
 
     def rollout(self, prompts, is_async=False, **options):
         """Multi-turn tool episodes: a list per prompt of `n` Episode. Keyword arguments: n, tools,
-        max_turns (4), max_episode_tokens (256), call_start, call_end, and generate's sampling
-        fields (max_tokens 64 here, a turn's); docs/http.md#multi-turn-tool-episodes."""
+        max_turns (4), max_episode_tokens (256), call_start, call_end, result_format, and
+        generate's sampling fields (max_tokens 64 here, a turn's);
+        docs/http.md#multi-turn-tool-episodes."""
         return self._submit(
             "/rollout", {"prompts": list(prompts), "max_tokens": 64, **options}, is_async
         )
@@ -745,6 +750,9 @@ class Router(AbortsOnError):
 
     def rollout(self, prompts, **options):
         return self.least_loaded().rollout(prompts, **options)
+
+    def tools(self):
+        return self.least_loaded().tools()
 
     def session_url(self, session_id):
         """Where an OpenAI client sends the calls of X-Session-ID `session_id`: one server, chosen

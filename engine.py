@@ -944,6 +944,7 @@ class RolloutEngine:
         tools=None,
         call_start=None,
         call_end=None,
+        result_format=None,
         k=0,
     ) -> Episode:
         """The `k`-th episode of `prompt`; with a seed, each k samples turns of its own."""
@@ -980,14 +981,13 @@ class RolloutEngine:
                 ep.tool_calls.append({"name": name, "argument": argument, "result": result})
                 # the next turn's text starts after the tool's output
                 text = ""
-                cut = self.append_output(ep, result, budget - len(c.token_ids))
-                if cut:
+                if cut := self.append_output(ep, result, budget - len(c.token_ids), result_format):
                     ep.finish_reason = cut
                     break
         return ep
 
-    def append_output(self, ep, result, budget) -> str | None:
-        """Append a tool's `result`, wrapped in `result_format` and tokenised once, cut to the
+    def append_output(self, ep, result, budget, result_format) -> str | None:
+        """Append a tool's `result`, wrapped in `result_format` (its {}) and tokenised, cut to the
         `budget` of tokens the episode has left and to what the context has: where it is cut, the
         episode's finish reason ("budget" or "length")."""
         # the next turn's prompt must leave room for a token: vLLM refuses it otherwise
@@ -995,8 +995,12 @@ class RolloutEngine:
         # a huge answer is cut in characters before it is tokenised (a token is rarely longer
         # than 16 of them), then in tokens
         room = max(0, min(budget, context))
-        output = self.result_format.format(result[: 16 * (room + 1)])
-        output = self.engine.tokenizer.encode(output, add_special_tokens=False)
+        before, _, after = (result_format or self.result_format).partition("{}")
+        answer = result[: 16 * (room + 1)]
+        encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
+        # the answer as text (a "<|im_end|>" in it is those characters, not the control token); the
+        # wrapping may be a chat template's `tool` message, whose special tokens are tokens
+        output = encode(before) + encode(answer, split_special_tokens=True) + encode(after)
         ep.append(output[:room], None)
         if context < budget and len(output) > context:
             return "length"
@@ -1004,7 +1008,8 @@ class RolloutEngine:
 
     async def rollout(self, prompts, params: SamplingParams, *options):
         """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:
-        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end)."""
+        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end,
+        result_format)."""
         per_prompt = [
             asyncio.gather(*(self.episode(prompt, params, *options, k=k) for k in range(params.n)))
             for prompt in prompts

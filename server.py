@@ -52,6 +52,9 @@ SAMPLING_FIELDS |= {"skip_special_tokens": bool, "stop": [str], "stop_token_ids"
 # routes
 REQUEST_FIELDS = ("prompts", "priority", "min_version", "keep_result")
 ROLLOUT_FIELDS = ("tools", "max_turns", "max_episode_tokens", "call_start", "call_end")
+# a tool's answer goes where the {} of result_format is: <result>{}</result>, or a chat template's
+# `tool` message (train.tool_message_format)
+ROLLOUT_FIELDS += ("result_format",)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 # /metrics: prometheus_client's default registry, served by its own aiohttp handler (the gauges
@@ -362,7 +365,7 @@ async def run_rollout(app, prompts, params, *options):
 
 async def rollout_route(request):
     """/rollout: multi-turn tool episodes (RolloutEngine.rollout). A null option takes its
-    default: every registered tool, RolloutEngine's call tags."""
+    default: every registered tool, RolloutEngine's call tags and result format."""
     app = request.app
     body = await read_json(request)
     prompts, params = parse_request(app, body, extra=ROLLOUT_FIELDS)
@@ -376,10 +379,11 @@ async def rollout_route(request):
         raise ApiError(f"'tools' must be a list of registered tool names: {rollouts.tool_names}")
     call_start = checked_field(given, "call_start", str, rollouts.call_start)
     call_end = checked_field(given, "call_end", str, rollouts.call_end)
-    if not call_start or not call_end:
-        raise ApiError("'call_start' and 'call_end' must be non-empty strings")
+    result_format = checked_field(given, "result_format", str, rollouts.result_format)
+    if not call_start or not call_end or "{}" not in result_format:
+        raise ApiError("'call_start', 'call_end' must be non-empty, 'result_format' hold {}")
     nbytes = await check_room(request)
-    episode_options = (max_turns, budget, tools, call_start, call_end)
+    episode_options = (max_turns, budget, tools, call_start, call_end, result_format)
     request_id = add_request(
         app, body, run_rollout, prompts, params, *episode_options, nbytes=nbytes
     )

@@ -2,8 +2,7 @@
 
     python train.py                      # demo: the tiny model learns addition (minutes on a CPU)
     python train.py --schedule sync-batch    # the synchronous loop, for comparison
-    python train.py --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --dataset math.jsonl \\
-        --server-url http://gpu0:8000 --device cuda --max-tokens 512    # a real model on GPUs
+    python train.py --config examples/run.yaml   # GSM8K on Qwen2.5-0.5B-Instruct, on a GPU
     python train.py --dataset my.jsonl --reward my_rewards:boxed --save-every 20 --out runs/mine
     python train.py --resume runs/mine --steps 200     # goes on from its last checkpoint
     python train.py --config runs/mine/config.yaml --out runs/b    # a new run with those flags
@@ -24,6 +23,7 @@ import argparse
 import collections
 import contextlib
 import difflib
+import functools
 import gc
 import importlib.util
 import json
@@ -86,6 +86,8 @@ class Config:
     prompt_column: str = flag("prompt", "the column of the prompts: a string or chat messages")
     answer_column: str = flag("answer", "the column the rewards read as the row's answer")
     eval_dataset: str = flag("", "held-out prompts, as --dataset (default: --dataset's first ones)")
+    chat_template: str = flag("", "a Jinja file: the chat template of conversational rows")
+    system_prompt: str = flag("", "a system message first in each row (makes a string the user's)")
     reward: str = flag("", "module:function,...: (completion, row) -> [0, 1] or None (Rewards)")
     reward_weights: str = flag("", "w1,w2,...: each --reward's weight in the sum (default 1)")
     success_threshold: float = flag(1.0, "a reward (the sum) of at least this is a success")
@@ -157,6 +159,8 @@ class Config:
                 "under torchrun each micro-batch's prompts must divide among the ranks, and "
                 "--resume runs in one process only (the optimizer's state is sharded)"
             )
+        if self.chat_template and not os.path.exists(self.chat_template):
+            raise ValueError(f"no chat template file {self.chat_template}")
         if self.resume and not os.path.exists(state_path(self.resume)):
             raise ValueError(f"--resume {self.resume}: no {state_path(self.resume)}")
         if model_error(self.model):
@@ -273,10 +277,10 @@ def train(cfg: Config, client: Client, data=None):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     data, held_out = data or load_data(cfg)
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     # under torchrun its sharded twin: the loop below is the same
     policy_type = ShardedPolicy if dist.is_initialized() else Policy
-    policy = policy_type(cfg, (tok, " ".join(r["prompt"] for r in data[:4])))
+    policy = policy_type(cfg, (tok, " ".join(rendered_prompt(r, cfg) for r in data[:4])))
     start, queued_rows, history = start_run(cfg, policy.opt, rng, data)
     # the server samples from exactly our weights
     rollouts = Rollouts(client, cfg, policy.weights(cfg.dtype), queued_rows, start)
@@ -532,16 +536,22 @@ def episode_tools(cfg) -> list[str]:
     return list(TASKS[cfg.task].tools)
 
 
-def submit_prompts(client, prompts, cfg, **sampling):
-    """Each prompt its own request: completions, or with episode_tools multi-turn tool episodes.
-    Their RemoteFutures, in the prompts' order."""
+def submit_prompts(client, rows, cfg, **sampling):
+    """Each row's prompt its own request: completions, or with episode_tools multi-turn tool
+    episodes. Their RemoteFutures, in the rows' order."""
     tools = episode_tools(cfg)
+    schemas = chat_tools(client, tools)
+    prompts = [rendered_prompt(row, cfg, schemas, tokenize=True) for row in rows]
     if not tools:
         # all in one call: the engine decodes one big batch
         return client.submit_each(prompts, **sampling)
     # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
     episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
     episode = dict(tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens)
+    # rendered prompts (token ids): a chat model reads each tool's answer as its template's `tool`
+    # message
+    if any(isinstance(prompt, list) for prompt in prompts):
+        episode["result_format"] = tool_message_format(cfg)
     return [client.rollout([prompt], is_async=True, **episode, **sampling) for prompt in prompts]
 
 
@@ -560,7 +570,7 @@ def submit_rollouts(client, rows, cfg, min_version=0):
     if cfg.seed_requests:
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
-    return submit_prompts(client, [r["prompt"] for r in rows], cfg, **sampling)
+    return submit_prompts(client, rows, cfg, **sampling)
 
 
 def collect(client, rows, futures, cfg):
@@ -1194,6 +1204,52 @@ def read_dataset(name, cfg):
     return rows
 
 
+# -- conversational rows: messages rendered by the chat template, on the trainer's side ------------
+@functools.cache
+def load_tokenizer(model, chat_template=""):
+    """--model's tokenizer; its chat template --chat-template's file, if given."""
+    tok = AutoTokenizer.from_pretrained(model)
+    if chat_template:
+        tok.chat_template = Path(chat_template).read_text()
+    return tok
+
+
+def rendered_prompt(row, cfg, tools=None, tokenize=False):
+    """The row's prompt as the model sees it: a string as it is; a list of messages (TRL's
+    conversational format) rendered by the chat template with `tools` (OpenAI schemas) and the
+    assistant's turn opened, --system-prompt first where it has no system message (with it, a
+    string is the user's message). With `tokenize`, a rendered one's token ids: the server gets
+    those, and samples after exactly the tokens the trainer scores."""
+    messages = row["prompt"]
+    if isinstance(messages, str) and not cfg.system_prompt:
+        return messages
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    if not tok.chat_template:
+        raise ValueError(f"{cfg.model} has no chat template: give one with --chat-template FILE")
+    # tokenised, the template's special tokens (a BOS among them) are the template's alone
+    options = dict(tools=tools, tokenize=tokenize, return_dict=False, add_generation_prompt=True)
+    return tok.apply_chat_template(messages, **options)
+
+
+def chat_tools(client, names):
+    """The tools `names` (episode_tools) as OpenAI schemas, for the chat template (or None)."""
+    return [s for s in client.tools() if s["function"]["name"] in names] if names else None
+
+
+def tool_message_format(cfg) -> str:
+    """What the chat template writes after an assistant turn that calls a tool, up to the next
+    assistant turn's start, {} where the tool's answer goes: /rollout's `result_format`."""
+    call, answer = "\x00call\x00", "\x00answer\x00"
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": call}]
+    messages.append({"role": "tool", "content": answer})
+    text = rendered_prompt({"prompt": messages}, cfg)
+    return text.rpartition(call)[2].replace(answer, "{}")
+
+
 # --dataset's files by suffix, and the loader of the datasets library that reads each
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -1295,6 +1351,7 @@ def evaluate(client, rows, cfg):
     --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
     eval_metrics' pass@k and maj@k."""
     rewards = Rewards(cfg)
+    tools = chat_tools(client, episode_tools(cfg))
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
         if len(samples) != cfg.eval_n:
@@ -1306,7 +1363,8 @@ def evaluate(client, rows, cfg):
             reward = rewards(text, row)["reward"]
             group.append(
                 {
-                    "prompt": row["prompt"],
+                    # as the model saw it: a conversational row's rendered by the chat template
+                    "prompt": rendered_prompt(row, cfg, tools),
                     "task": row.get("task", cfg.task),
                     "completion": text,
                     "reward": reward,
@@ -1328,7 +1386,7 @@ def sample_held_out(client, rows, cfg):
     greedy = {"temperature": 1.0, "top_k": 1}
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
     sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
-    futures = submit_prompts(client, [r["prompt"] for r in rows], cfg, **sampling)
+    futures = submit_prompts(client, rows, cfg, **sampling)
     results = {}
     bar = tqdm(
         client.as_completed(futures), desc="held-out", total=len(futures), leave=False, disable=None
@@ -1459,11 +1517,14 @@ def main(argv=None):
     # before anything else: every row of the data is checked, a file that is not there said
     try:
         data = load_data(cfg)
+        # without --model, --eval-only --server-url evaluates the weights that server holds
+        if not cfg.model and not (cfg.eval_only and cfg.server_url):
+            cfg.model = builtin_model(cfg)
+        # a conversational row without a chat template is refused now, before any server starts
+        for row in data[0][:1] + data[1][:1]:
+            rendered_prompt(row, cfg)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    # without --model, --eval-only --server-url evaluates the weights that server holds
-    if not cfg.model and not (cfg.eval_only and cfg.server_url):
-        cfg.model = builtin_model(cfg)
     print(json.dumps(asdict(cfg)))
     # before any server starts: a run is never overwritten
     if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):

@@ -133,12 +133,19 @@ TOOL_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+# the built-in calc as GET /tools lists it (engine.python_tool_schema): the schema train.py renders
+# into a conversational row's prompt
 CALC_TOOL = {
     "type": "function",
     "function": {
         "name": "calc",
-        "description": "arithmetic",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        "description": "The built-in tool: arithmetic on numbers, nothing else (no names, calls or "
+        "attributes).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
     },
 }
 CALL = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "2+3"}}}

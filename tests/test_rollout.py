@@ -139,6 +139,7 @@ def test_bad_rollout_input_is_a_4xx(client):
         dict(tools=["nosuch"]),
         dict(call_end=""),
         dict(max_episode_tokens="x"),
+        dict(result_format="no place for the answer"),
     ]:
         with pytest.raises(ServerError) as e:
             client.rollout(["a"], **bad)

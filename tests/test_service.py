@@ -15,6 +15,7 @@ from test_rollout import greedy_rollout
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server
+import train
 from conftest import CALC_TOOL
 from engine import RolloutEngine, calculator
 from local import launch_server
@@ -102,6 +103,32 @@ def test_rollout_reads_a_call_in_the_familys_format_as_v1_does(tool_server):
     [[ep]] = tool_server.rollout([prompt], temperature=0.0, max_tokens=100, max_turns=2)
     assert ep.tool_calls[0] == {"name": "calc", "argument": '{"expression": "2+3"}', "result": "5"}
     assert ep.turns[0]["text"].endswith("</tool_call>")
+
+
+def test_a_conversational_rows_episode_is_the_conversation_under_the_chat_template(
+    tool_server, tmp_path
+):
+    """train.py's tool episode on a conversational row: the prompt shows the tools as the chat
+    template does, the tool's answer comes as the template's `tool` message, and the model,
+    taught that conversation, answers from it: the episode is it, token for token."""
+    path = tool_server.health()["model"]
+    cfg = train.Config(model=path, tools="calc", max_turns=2, max_tokens=100, out=str(tmp_path))
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    sampling = dict(n=1, temperature=0.0, max_tokens=100)
+    [future] = train.submit_prompts(tool_server, [{"prompt": messages}], cfg, **sampling)
+    [[ep]] = future.result()
+    assert ep.tool_calls == [
+        {"name": "calc", "argument": '{"expression": "2+3"}', "result": "5"}
+    ], ep
+    assert ep.turns[1]["text"].startswith("It is 5.")
+    answered = [
+        {"role": "assistant", "content": ep.turns[0]["text"]},
+        {"role": "tool", "content": "5"},
+    ]
+    whole = messages + answered + [{"role": "assistant", "content": "It is 5."}]
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(whole, tools=[CALC_TOOL], tokenize=False)
+    assert ep.token_ids == tok.encode(text, add_special_tokens=False)[: len(ep.token_ids)]
 
 
 def test_a_call_the_parser_cannot_read_answers_an_error():

@@ -1167,3 +1167,96 @@ def test_a_checkpoint_saved_as_a_plain_folder_is_replaced_by_the_next_save(model
     assert os.path.islink(path) and torch.load(os.path.join(path, "note.pt")) == 1
     # the plain folder is gone: the link and the folder it names
     assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint", os.readlink(path)])
+
+
+# -- conversational rows: prompts of messages, rendered by the chat template -----------------------
+CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja")
+
+
+def chat_rows(count):
+    return [
+        {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)}
+        for i in range(count)
+    ]
+
+
+def rendered(model_path, messages):
+    """`messages` as tests/chat_template.jinja renders them, the assistant's turn opened."""
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.chat_template = open(CHAT_TEMPLATE).read()
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_conversational_rows_are_sampled_after_exactly_the_chat_templates_tokens(
+    server, model_path, tmp_path
+):
+    rows = chat_rows(3)
+    cfg = tiny_run(model_path, tmp_path, chat_template=CHAT_TEMPLATE)
+    samples = train.collect_each(train.submit_rollouts(server, rows, cfg))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    for row, group in zip(rows, samples):
+        ids = tok.encode(rendered(model_path, row["prompt"]), add_special_tokens=False)
+        assert [c.prompt_token_ids for c in group] == [ids, ids]
+        # what the trainer scores: those tokens, then the sampled ones
+        assert train.sequence(row, group[0], tasks.answer_reward).ids[: len(ids)] == ids
+
+
+def test_system_prompt_is_added_only_to_conversations_without_one(model_path, tmp_path):
+    cfg = tiny_run(model_path, tmp_path, chat_template=CHAT_TEMPLATE, system_prompt="Add.")
+    user = {"role": "user", "content": "1+1="}
+    own = {"role": "system", "content": "Sum."}
+    added = {"role": "system", "content": "Add."}
+    for prompt, messages in [
+        ([user], [added, user]),
+        ([own, user], [own, user]),
+        # a string prompt is the user's message
+        ("1+1=", [added, user]),
+    ]:
+        assert train.rendered_prompt({"prompt": prompt}, cfg) == rendered(model_path, messages)
+
+
+def test_conversational_rows_without_a_chat_template_are_refused_naming_chat_template(
+    model_path, tmp_path
+):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(model_path, name), folder / name)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.chat_template = None
+    tok.save_pretrained(folder)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in chat_rows(4)))
+    # no server there: the refusal comes before any is reached
+    args = ["--model", str(folder), "--dataset", str(data), "--server-url", "http://127.0.0.1:9"]
+    with pytest.raises(SystemExit) as e:
+        train.main(args + ["--out", str(tmp_path / "run")])
+    assert "has no chat template" in str(e.value.code) and "--chat-template FILE" in str(
+        e.value.code
+    )
+
+
+MESSAGES_REWARD = '''
+def user_message(completion, row):
+    """1 where the row the reward gets still holds its messages."""
+    return float(row["prompt"][-1]["role"] == "user")
+'''
+
+
+def test_a_run_on_conversational_rows_keeps_each_eval_samples_prompt_as_the_model_saw_it(
+    server, model_path, tmp_path, restore_weights, reward_module
+):
+    rows = chat_rows(12)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["--server-url", server.base_url, "--model", model_path, "--dataset", str(data)]
+    args += ["--chat-template", CHAT_TEMPLATE, "--steps", "2", "--prompts-per-step", "4"]
+    args += ["--micro-batches", "2", "--group-size", "2", "--max-tokens", "4"]
+    args += ["--eval-every", "2", "--eval-prompts", "2", "--eval-n", "2", "--no-checkpoint"]
+    args += ["--reward", reward_module("messages", MESSAGES_REWARD) + ":user_message"]
+    history = train.main(args + ["--out", str(tmp_path / "run")])
+    assert [h["reward"] for h in history] == [1.0, 1.0]
+    samples = [json.loads(line) for line in open(tmp_path / "run" / "eval_samples.jsonl")]
+    # the first 2 rows are held out: evaluated at step 0 and at the end, 2 samples each
+    expected = [rendered(model_path, row["prompt"]) for row in rows[:2]]
+    assert [s["prompt"] for s in samples] == [p for p in expected for _ in range(2)] * 2
