@@ -847,15 +847,15 @@ def openai_tool(name, description, parameters) -> dict:
 
 
 def takes_one_string(tool) -> bool:
-    """Whether a tool takes the text after its name as it is (one str parameter: calc, an MCP
-    tool's JSON), not keyword arguments from a JSON object."""
+    """Whether a tool takes the text after its name as it is (one str parameter: calc), not
+    keyword arguments from a JSON object."""
     parameters = list(inspect.signature(tool, eval_str=True).parameters.values())
     if len(parameters) != 1 or parameters[0].kind == inspect.Parameter.VAR_KEYWORD:
         return False
     return parameters[0].annotation in (str, inspect.Parameter.empty)
 
 
-# plain tools running at once, at most (the others wait for a slot, within their timeout)
+# threads of one plain tool at once, at most (its other calls wait for a slot, within their timeout)
 TOOL_THREADS = 16
 
 
@@ -883,10 +883,13 @@ class RolloutEngine:
     read_call: Callable | None = None
 
     def __post_init__(self):
+        # a tool given with its schema (an MCP tool) takes the call's JSON object as one dict: its
+        # arguments never meet our own functions' keywords
+        self.takes_object = set(self.schemas or {})
         self.tools = {"calc": calculator, **(self.tools or {})}
         schemas = {name: python_tool_schema(name, f) for name, f in self.tools.items()}
         self.schemas = schemas | (self.schemas or {})
-        self.slots = asyncio.Semaphore(TOOL_THREADS)
+        self.slots = collections.defaultdict(lambda: asyncio.Semaphore(TOOL_THREADS))
 
     @property
     def tool_names(self):
@@ -912,7 +915,7 @@ class RolloutEngine:
             return f"error: unknown tool '{name}'"
         try:
             async with asyncio.timeout(self.tool_timeout):
-                return str(await self.run_tool(self.tools[name], argument, keywords))
+                return str(await self.run_tool(name, argument, keywords))
         except TimeoutError:
             return f"error: tool '{name}' timed out after {self.tool_timeout} s"
         # a tool's failure is the episode's business, whatever it raises (SystemExit, a
@@ -922,18 +925,26 @@ class RolloutEngine:
                 raise
             return f"error: {type(e).__name__}: {e}"
 
-    async def run_tool(self, tool, argument, keywords=False):
+    async def run_tool(self, name, argument, keywords=False):
         """An async tool (I/O: an HTTP API, a sandbox) is awaited; a plain one runs in a thread
-        of its own, on one of TOOL_THREADS slots, which it gives back at its timeout."""
-        if takes_one_string(tool) and not keywords:
+        of its own, on one of the tool's TOOL_THREADS slots, which the thread holds till it ends."""
+        tool = self.tools[name]
+        if name in self.takes_object:
+            call = functools.partial(tool, json.loads(argument or "{}"))
+        elif takes_one_string(tool) and not keywords:
             call = functools.partial(tool, argument)
         else:
             # keyword arguments, from a JSON object: NAME {"a": 1, "b": 2}
             call = functools.partial(tool, **json.loads(argument or "{}"))
         if asyncio.iscoroutinefunction(tool):
             return await call()
-        async with self.slots:
-            return await in_daemon_thread(call)
+        slots = self.slots[name]
+        await slots.acquire()
+        thread = in_daemon_thread(call)
+        # a thread cannot be stopped: one that outlives its call's timeout keeps its slot, so a
+        # hung tool holds TOOL_THREADS threads at most, and its later calls time out waiting
+        thread.add_done_callback(lambda _: slots.release())
+        return await asyncio.shield(thread)
 
     async def episode(
         self,
@@ -996,7 +1007,10 @@ class RolloutEngine:
         # than 16 of them), then in tokens
         room = max(0, min(budget, context))
         output = self.result_format.format(result[: 16 * (room + 1)])
-        output = self.engine.tokenizer.encode(output, add_special_tokens=False)
+        # as text: a tool answer that holds "<|im_end|>" is those characters, not the control token
+        output = self.engine.tokenizer.encode(
+            output, add_special_tokens=False, split_special_tokens=True
+        )
         ep.append(output[:room], None)
         if context < budget and len(output) > context:
             return "length"

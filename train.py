@@ -267,6 +267,7 @@ def train(cfg: Config, client: Client, data=None):
                 save_checkpoint(cfg, policy, tok, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
             warn_mismatch(row, cfg)
+            warn_tool_errors(row)
             run_log.log(row)
             show_progress(bar, row)
         if cfg.eval_every:
@@ -421,7 +422,8 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     queued = rollouts.queue[0]
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
-    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "called": []}
+    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": []}
+    tensors |= {"tool_calls": [], "tool_errors": []}
     stats = {"tokens": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
@@ -455,7 +457,8 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             # per sample: the tokens it sampled, and whether --max-tokens cut it
             tensors["lengths"].append(torch.tensor([sum(seq.mask) for seq in seqs]))
             tensors["truncated"].append(torch.tensor([seq.truncated for seq in seqs]).float())
-            tensors["called"].append(torch.tensor([seq.tool_calls > 0 for seq in seqs]).float())
+            tensors["tool_calls"].append(torch.tensor([seq.tool_calls for seq in seqs]))
+            tensors["tool_errors"].append(torch.tensor([seq.tool_errors for seq in seqs]))
             # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
             sampled = [lp for seq in seqs for lp in seq.sampled(seq.logprobs)]
             tensors["sampled_logprobs"].append(torch.tensor(sampled))
@@ -555,8 +558,9 @@ class Sample:
     versions: list
     reward: float = 0.0
     truncated: bool = False
-    # tool calls of an episode
+    # tool calls of an episode, and those answered with an error
     tool_calls: int = 0
+    tool_errors: int = 0
 
     def sampled(self, values):
         """Those of per-token `values` at the tokens the model sampled."""
@@ -579,6 +583,7 @@ def sequence(row, sample, reward_fn) -> Sample:
             reward=score(reward_fn, sample.turns[-1]["text"], row),
             truncated=sample.finish_reason == "length",
             tool_calls=len(sample.tool_calls),
+            tool_errors=sum(call["result"].startswith("error") for call in sample.tool_calls),
         )
     prompt = sample.prompt_token_ids
     return Sample(
@@ -836,7 +841,9 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
         "truncated": stats["truncated"].mean().item(),
-        "tool_share": stats["called"].mean().item(),
+        "tool_share": (stats["tool_calls"] > 0).float().mean().item(),
+        "tool_calls": int(stats["tool_calls"].sum()),
+        "tool_errors": int(stats["tool_errors"].sum()),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
@@ -927,6 +934,14 @@ def warn_mismatch(row, cfg):
             f"template on the two sides, the served --dtype, the family's logit post-processing.\n",
             file=sys.stderr,
         )
+
+
+def warn_tool_errors(row):
+    """A warning when most of a step's tool calls answered an error: a dead MCP server, a tool the
+    model calls wrong (the episodes go on, at reward 0)."""
+    if row["tool_errors"] > row["tool_calls"] / 2:
+        calls = f"{row['tool_errors']} of the step's {row['tool_calls']} tool calls"
+        print(f"\nWARNING: {calls} answered an error (the server's log says why)", file=sys.stderr)
 
 
 def show_progress(bar, row):
@@ -1323,6 +1338,8 @@ def main(argv=None):
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
         if dist.get_rank() > 0:
             return follow()
+    # a running server first: one that lacks a tool of --tools refuses the run before the warm start
+    client = connect(cfg, cfg.server_url.split(",")) if cfg.server_url else None
     # without --model, --eval-only --server-url evaluates the weights that server holds
     if not cfg.model and not (cfg.eval_only and cfg.server_url):
         cfg.model = builtin_model(cfg)
@@ -1337,11 +1354,10 @@ def main(argv=None):
     os.makedirs(cfg.out, exist_ok=True)
     servers = []  # (process, Client) of each server started here, added as it comes up
     try:
-        if not cfg.server_url:
+        if not client:
             with ThreadPoolExecutor(cfg.num_servers) as pool:
                 list(pool.map(lambda k: servers.append(launch(cfg, k)), range(cfg.num_servers)))
-        urls = cfg.server_url.split(",") if cfg.server_url else [c.base_url for _, c in servers]
-        client = connect(cfg, urls)
+            client = connect(cfg, [c.base_url for _, c in servers])
         result = eval_only(client, cfg, data[1]) if cfg.eval_only else train(cfg, client, data)
         lead("stop")
         return result
