@@ -24,6 +24,7 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import inspect
 import json
@@ -797,32 +798,20 @@ def arithmetic(node):
     raise ValueError(f"not arithmetic: {ast.unparse(node)}")
 
 
-def in_daemon_thread(function, *args) -> asyncio.Future:
-    """function(*args) in a thread of its own, which never holds up the process's exit (a tool
-    that hangs is abandoned at its timeout): a future of its result, or of what it raised."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error):
-        if future.done():
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
+def in_daemon_thread(function) -> asyncio.Future:
+    """function() in a thread of its own, which never holds up the process's exit (a tool that
+    hangs is abandoned at its timeout): a future of its result, or of what it raised."""
+    future = concurrent.futures.Future()
 
     def run():
-        try:
-            outcome = (function(*args), None)
         # whatever it raises, SystemExit too, is the caller's to read
+        try:
+            future.set_result(function())
         except BaseException as e:
-            outcome = (None, e)
-        # the loop may have closed meanwhile: nobody waits any more
-        with suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, *outcome)
+            future.set_exception(e)
 
     threading.Thread(target=run, daemon=True).start()
-    return future
+    return asyncio.wrap_future(future)
 
 
 # the JSON types of a Python tool's parameters, by their type hints (others: string)

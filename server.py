@@ -803,13 +803,16 @@ def read_family_calls(rollouts, tool_parser):
 
 # -- MCP servers as tools (--mcp) -----------------------------------------------------------------
 async def start_mcp(servers, taken=()) -> tuple:
-    """Start every MCPServer: ({tool name: async function of the call's JSON object}, {tool name:
-    OpenAI schema}), or a RuntimeError for a server that does not start or a tool named as one in
-    `taken` (--tool's, calc) or as another server's (it would replace that tool)."""
+    """Start every MCPServer, each held by a task of its own (MCPServer.hold): ({tool name: async
+    function of the call's JSON object}, {tool name: OpenAI schema}), or a RuntimeError for a
+    server that does not start or a tool named as one in `taken` (--tool's, calc) or as another
+    server's (it would replace that tool)."""
     tools, schemas = {}, {}
     for server in servers:
+        listed = asyncio.get_running_loop().create_future()
+        server.holder = asyncio.ensure_future(server.hold(listed))
         try:
-            for tool in await server.start():
+            for tool in await listed:
                 if tool.name in tools or tool.name in taken:
                     raise ValueError(f"its tool '{tool.name}' has the name of another tool")
                 tools[tool.name] = functools.partial(server.call, tool.name)
@@ -833,12 +836,6 @@ class MCPServer:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: bool = False
 
-    async def start(self) -> list:
-        """Hold the server in a task of its own (hold): the tools it lists, or its error."""
-        listed = asyncio.get_running_loop().create_future()
-        self.holder = asyncio.ensure_future(self.hold(listed))
-        return await listed
-
     async def stop(self):
         self.stopping = True
         self.closed.set()
@@ -860,18 +857,16 @@ class MCPServer:
                     if not listed.done():
                         listed.set_result(tools)
                     await self.closed.wait()
-                    why = "its connection closed"
+            # its own log (stderr, here) says why it ended
             except Exception as e:
                 if not listed.done():
                     return listed.set_exception(leaf_cause(e))
-                why = repr(leaf_cause(e))
             self.session = None
             if self.stopping:
                 return
-            message = (
-                f"the MCP server {self.name} is down ({why}); starting it again in {backoff} s"
+            print(
+                f"the MCP server {self.name} is down: starting it in {backoff} s", file=sys.stderr
             )
-            print(message, file=sys.stderr, flush=True)
             self.closed = asyncio.Event()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.closed.wait(), backoff)

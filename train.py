@@ -937,11 +937,10 @@ def warn_mismatch(row, cfg):
 
 
 def warn_tool_errors(row):
-    """A warning when most of a step's tool calls answered an error: a dead MCP server, a tool the
-    model calls wrong (the episodes go on, at reward 0)."""
+    """A warning when most of a step's tool calls answered an error (a dead MCP server?)."""
     if row["tool_errors"] > row["tool_calls"] / 2:
-        calls = f"{row['tool_errors']} of the step's {row['tool_calls']} tool calls"
-        print(f"\nWARNING: {calls} answered an error (the server's log says why)", file=sys.stderr)
+        failed = f"{row['tool_errors']} of {row['tool_calls']} tool calls answered an error"
+        print(f"\nWARNING: step {row['step']}: {failed}", file=sys.stderr)
 
 
 def show_progress(bar, row):
