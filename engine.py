@@ -798,9 +798,11 @@ def arithmetic(node):
     raise ValueError(f"not arithmetic: {ast.unparse(node)}")
 
 
-def in_daemon_thread(function) -> asyncio.Future:
-    """function() in a thread of its own, which never holds up the process's exit (a tool that
-    hangs is abandoned at its timeout): a future of its result, or of what it raised."""
+async def in_daemon_thread(function, slots: asyncio.Semaphore):
+    """function() in a thread of its own, once one of `slots` is free: its result, or what it
+    raised. The thread never holds up the process's exit (a tool that hangs is abandoned at its
+    timeout), and it holds its slot till it ends, past its caller's timeout too."""
+    await slots.acquire()
     future = concurrent.futures.Future()
 
     def run():
@@ -811,7 +813,10 @@ def in_daemon_thread(function) -> asyncio.Future:
             future.set_exception(e)
 
     threading.Thread(target=run, daemon=True).start()
-    return asyncio.wrap_future(future)
+    thread = asyncio.wrap_future(future)
+    thread.add_done_callback(lambda _: slots.release())
+    # a timeout cancels the wait, not the thread (a thread cannot be stopped)
+    return await asyncio.shield(thread)
 
 
 # the JSON types of a Python tool's parameters, by their type hints (others: string)
@@ -927,13 +932,8 @@ class RolloutEngine:
             call = functools.partial(tool, **json.loads(argument or "{}"))
         if asyncio.iscoroutinefunction(tool):
             return await call()
-        slots = self.slots[name]
-        await slots.acquire()
-        thread = in_daemon_thread(call)
-        # a thread cannot be stopped: one that outlives its call's timeout keeps its slot, so a
-        # hung tool holds TOOL_THREADS threads at most, and its later calls time out waiting
-        thread.add_done_callback(lambda _: slots.release())
-        return await asyncio.shield(thread)
+        # a hung tool holds TOOL_THREADS threads at most: its later calls time out waiting for one
+        return await in_daemon_thread(call, self.slots[name])
 
     async def episode(
         self,

@@ -298,9 +298,7 @@ async def health(request):
             "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
-            "mcp": {
-                mcp.name: "down" if mcp.session is None else "up" for mcp in request.app[MCP][2]
-            },
+            "mcp": {m.name: "up" if m.session else "down" for m in request.app[MCP][2]},
         },
         status=503 if engine.error else 200,
     )
@@ -839,8 +837,7 @@ class MCPServer:
     async def stop(self):
         self.stopping = True
         self.closed.set()
-        with suppress(TimeoutError):
-            await asyncio.wait_for(self.holder, 10)
+        await asyncio.wait([self.holder], timeout=10)
 
     async def hold(self, listed: asyncio.Future):
         """Connect, list the tools into `listed` (the first time; an error there ends it), hold
@@ -857,16 +854,18 @@ class MCPServer:
                     if not listed.done():
                         listed.set_result(tools)
                     await self.closed.wait()
+                    # down from now, not once the connection is wound down
+                    self.session = None
             # its own log (stderr, here) says why it ended
             except Exception as e:
+                # the cause itself, not the task groups of anyio's around it
+                while isinstance(e, BaseExceptionGroup):
+                    e = e.exceptions[0]
                 if not listed.done():
-                    return listed.set_exception(leaf_cause(e))
-            self.session = None
+                    return listed.set_exception(e)
             if self.stopping:
                 return
-            print(
-                f"the MCP server {self.name} is down: starting it in {backoff} s", file=sys.stderr
-            )
+            print(f"the MCP server {self.name} is down: restart in {backoff} s", file=sys.stderr)
             self.closed = asyncio.Event()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.closed.wait(), backoff)
@@ -879,13 +878,6 @@ class MCPServer:
         result = await self.session.call_tool(tool, arguments)
         text = "\n".join(c.text for c in result.content if c.type == "text")
         return f"error: {text}" if result.is_error else text
-
-
-def leaf_cause(error):
-    """The first exception inside nested ExceptionGroups (anyio's task groups wrap each error)."""
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 async def mcp_session(stack, target, env, closed: asyncio.Event):
@@ -901,18 +893,16 @@ async def mcp_session(stack, target, env, closed: asyncio.Event):
     if target.startswith(("http://", "https://")):
         receive, send = await stack.enter_async_context(streamable_http_client(target))
     else:
-        command, *args = shlex.split(target)
         # Linux's parent-death signal (util-linux's setpriv): it dies with this server, SIGKILL too
-        if shutil.which("setpriv"):
-            command, args = "setpriv", ["--pdeathsig", "KILL", command, *args]
+        setpriv = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+        command, *args = setpriv + shlex.split(target)
         server = StdioServerParameters(command=command, args=args, env=env)
         receive, send = await stack.enter_async_context(stdio_client(server))
     # the session reads the server's messages through a stream of ours, whose end (the server's
     # stdout closed: it exited) sets `closed`
     forward_to, watched = anyio.create_memory_object_stream(0)
-    group = await stack.enter_async_context(anyio.create_task_group())
-    stack.callback(group.cancel_scope.cancel)
-    group.start_soon(forward, receive, forward_to, closed)
+    forwarding = asyncio.ensure_future(forward(receive, forward_to, closed))
+    stack.callback(forwarding.cancel)
     session = await stack.enter_async_context(ClientSession(watched, send))
     await session.initialize()
     return session
@@ -923,7 +913,7 @@ async def forward(source, sink, closed: asyncio.Event):
     async with sink:
         async for message in source:
             await sink.send(message)
-    closed.set()
+        closed.set()
 
 
 async def mcp_ctx(app):
@@ -1115,7 +1105,7 @@ def add_tool_flags(g):
     )
     # a stdio MCP server gets none of this server's environment but PATH, HOME and a few (the mcp
     # package's choice): these variables too (repeatable)
-    g.add_argument("--mcp-env", action="append", metavar="NAME", help="a variable for --mcp")
+    g.add_argument("--mcp-env", action="append", metavar="NAME", help="passed to stdio MCP servers")
     # a tool that takes longer answers with an error
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
 

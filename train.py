@@ -267,7 +267,6 @@ def train(cfg: Config, client: Client, data=None):
                 save_checkpoint(cfg, policy, tok, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
             warn_mismatch(row, cfg)
-            warn_tool_errors(row)
             run_log.log(row)
             show_progress(bar, row)
         if cfg.eval_every:
@@ -422,8 +421,7 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     queued = rollouts.queue[0]
     version = rollouts.version
     tensors = {"rewards": [], "staleness": [], "is_weights": [], "logprob_deltas": []}
-    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": []}
-    tensors |= {"tool_calls": [], "tool_errors": []}
+    tensors |= {"lengths": [], "truncated": [], "sampled_logprobs": [], "tool_calls": []}
     stats = {"tokens": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
@@ -457,8 +455,8 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             # per sample: the tokens it sampled, and whether --max-tokens cut it
             tensors["lengths"].append(torch.tensor([sum(seq.mask) for seq in seqs]))
             tensors["truncated"].append(torch.tensor([seq.truncated for seq in seqs]).float())
-            tensors["tool_calls"].append(torch.tensor([seq.tool_calls for seq in seqs]))
-            tensors["tool_errors"].append(torch.tensor([seq.tool_errors for seq in seqs]))
+            calls = [[seq.tool_calls, seq.tool_errors] for seq in seqs]
+            tensors["tool_calls"].append(torch.tensor(calls).view(-1, 2))
             # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
             sampled = [lp for seq in seqs for lp in seq.sampled(seq.logprobs)]
             tensors["sampled_logprobs"].append(torch.tensor(sampled))
@@ -841,9 +839,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
         "truncated": stats["truncated"].mean().item(),
-        "tool_share": (stats["tool_calls"] > 0).float().mean().item(),
-        "tool_calls": int(stats["tool_calls"].sum()),
-        "tool_errors": int(stats["tool_errors"].sum()),
+        **tool_metrics(stats["tool_calls"]),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
@@ -871,6 +867,16 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
+
+
+def tool_metrics(tool_calls):
+    """The share of samples that called a tool, the step's tool calls, and those that answered an
+    error, from each sample's (calls, errors) (B, 2); a warning when most of the calls failed."""
+    calls, errors = tool_calls.sum(0).tolist()
+    if errors > calls / 2:
+        print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
+    share = (tool_calls[:, 0] > 0).float().mean().item()
+    return {"tool_share": share, "tool_calls": calls, "tool_errors": errors}
 
 
 # dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
@@ -934,13 +940,6 @@ def warn_mismatch(row, cfg):
             f"template on the two sides, the served --dtype, the family's logit post-processing.\n",
             file=sys.stderr,
         )
-
-
-def warn_tool_errors(row):
-    """A warning when most of a step's tool calls answered an error (a dead MCP server?)."""
-    if row["tool_errors"] > row["tool_calls"] / 2:
-        failed = f"{row['tool_errors']} of {row['tool_calls']} tool calls answered an error"
-        print(f"\nWARNING: step {row['step']}: {failed}", file=sys.stderr)
 
 
 def show_progress(bar, row):
