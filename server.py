@@ -800,26 +800,6 @@ def read_family_calls(rollouts, tool_parser):
 
 
 # -- MCP servers as tools (--mcp) -----------------------------------------------------------------
-async def start_mcp(servers, taken=()) -> tuple:
-    """Start every MCPServer, each held by a task of its own (MCPServer.hold): ({tool name: async
-    function of the call's JSON object}, {tool name: OpenAI schema}), or a RuntimeError for a
-    server that does not start or a tool named as one in `taken` (--tool's, calc) or as another
-    server's (it would replace that tool)."""
-    tools, schemas = {}, {}
-    for server in servers:
-        listed = asyncio.get_running_loop().create_future()
-        server.holder = asyncio.ensure_future(server.hold(listed))
-        try:
-            for tool in await listed:
-                if tool.name in tools or tool.name in taken:
-                    raise ValueError(f"its tool '{tool.name}' has the name of another tool")
-                tools[tool.name] = functools.partial(server.call, tool.name)
-                schemas[tool.name] = openai_tool(tool.name, tool.description, tool.input_schema)
-        except Exception as e:
-            raise RuntimeError(f"--mcp {server.name}={server.target}: {e!r}") from None
-    return tools, schemas
-
-
 @dataclass(eq=False)
 class MCPServer:
     """One --mcp server (a command line started with the variables `env`, or a URL), and its
@@ -917,15 +897,26 @@ async def forward(source, sink, closed: asyncio.Event):
 
 
 async def mcp_ctx(app):
-    """The --mcp servers' tools (app[MCP]), connected before the engine starts and closed after
-    it stops."""
+    """The --mcp servers, started before the engine and stopped after it, each held by a task of
+    its own (MCPServer.hold): app[MCP] = ({tool name: async function of the call's JSON object},
+    {tool name: OpenAI schema}, the MCPServers). A server that does not start, or a tool named as
+    one of --tool's, calc or another server's (it would replace that tool), stops the start."""
     flags = app[STATE].flags
     env = {name: os.environ.get(name, "") for name in flags.mcp_env or []}
     servers = [MCPServer(name, target, env) for name, target in flags.mcp or []]
-    try:
-        app[MCP] = (*await start_mcp(servers, {"calc", *dict(flags.tool or [])}), servers)
-    except RuntimeError as e:
-        sys.exit(f"error: {e}")
+    tools, schemas, taken = {}, {}, {"calc", *dict(flags.tool or [])}
+    for server in servers:
+        listed = asyncio.get_running_loop().create_future()
+        server.holder = asyncio.ensure_future(server.hold(listed))
+        try:
+            for tool in await listed:
+                if tool.name in tools or tool.name in taken:
+                    raise ValueError(f"its tool '{tool.name}' has the name of another tool")
+                tools[tool.name] = functools.partial(server.call, tool.name)
+                schemas[tool.name] = openai_tool(tool.name, tool.description, tool.input_schema)
+        except Exception as e:
+            sys.exit(f"error: --mcp {server.name}={server.target}: {e!r}")
+    app[MCP] = (tools, schemas, servers)
     yield
     for server in servers:
         await server.stop()

@@ -1394,9 +1394,7 @@ def launch(cfg, k):
         flags += ["--max-loras", str(cfg.max_staleness + 2), "--max-body-mb", "1024"]
     if cfg.task == "power":
         # its MCP server
-        mcp_arith = os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "examples", "mcp_arith.py"
-        )
+        mcp_arith = Path(__file__).resolve().parent / "examples" / "mcp_arith.py"
         flags += ["--mcp", f"arith={sys.executable} {mcp_arith}"]
     gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
     log = os.path.join(cfg.out, f"server{k}.log")

@@ -389,50 +389,66 @@ def test_a_dead_mcp_server_shows_down_in_health_and_is_started_again(client):
     assert ep.tool_calls[0]["result"] == "2"
 
 
+@contextlib.asynccontextmanager
+async def mcp_servers(*flags):
+    """The MCP servers of the server's `flags`, started and stopped as the server does (mcp_ctx),
+    in this process and without an engine: yields (tools, schemas, the MCPServers)."""
+    from aiohttp import web
+
+    import server
+
+    app = web.Application()
+    app[server.STATE] = server.State(server.parse_args(list(flags)))
+    started = server.mcp_ctx(app)
+    await anext(started)
+    try:
+        yield app[server.MCP]
+    finally:
+        await anext(started, None)
+
+
+ARITH = f"arith={sys.executable} {MCP_TOOLS}"
+
+
 @needs_mcp
 def test_mcp_env_passes_the_named_variables_to_a_stdio_mcp_server(monkeypatch):
     """--mcp-env NAME: the MCP server sees NAME; a variable not named stays unset there (the mcp
-    package passes only PATH, HOME and a few). mcp_ctx as the server runs it, in this process."""
+    package passes only PATH, HOME and a few)."""
     import asyncio
 
-    from aiohttp import web
-
     import engine
-    import server
 
     monkeypatch.setenv("ASYNC_GRPO_PASSED", "yes")
     monkeypatch.setenv("ASYNC_GRPO_KEPT", "secret")
-    flags = server.parse_args(
-        ["--mcp", f"arith={sys.executable} {MCP_TOOLS}", "--mcp-env", "ASYNC_GRPO_PASSED"]
-    )
 
     async def answers():
-        app = web.Application()
-        app[server.STATE] = server.State(flags)
-        started = server.mcp_ctx(app)
-        await anext(started)
-        rollouts = engine.RolloutEngine(None, *app[server.MCP][:2])
-        names = ("ASYNC_GRPO_PASSED", "ASYNC_GRPO_KEPT")
-        got = [await rollouts.call_tool("getenv", f'{{"variable": "{n}"}}') for n in names]
-        await anext(started, None)
-        return got
+        async with mcp_servers("--mcp", ARITH, "--mcp-env", "ASYNC_GRPO_PASSED") as (
+            tools,
+            schemas,
+            _,
+        ):
+            rollouts = engine.RolloutEngine(None, tools, schemas)
+            names = ("ASYNC_GRPO_PASSED", "ASYNC_GRPO_KEPT")
+            return [await rollouts.call_tool("getenv", f'{{"variable": "{n}"}}') for n in names]
 
     assert asyncio.run(answers()) == ["yes", "unset"]
 
 
 @needs_mcp
 def test_a_killed_server_takes_its_busy_stdio_mcp_server_with_it():
-    """SIGKILL of a process that started a stdio MCP server as the server does (start_mcp) while
+    """SIGKILL of a process that started a stdio MCP server as the server does (mcp_ctx) while
     a call of `hangs` keeps that MCP server busy: the MCP server dies too (else it would live
     for the 10 minutes of the call). In a process of its own, without an engine."""
     import psutil
 
     code = (
         "import asyncio, server\n"
-        f"arith = server.MCPServer('arith', {sys.executable + ' ' + MCP_TOOLS!r})\n"
+        "from aiohttp import web\n"
+        "app = web.Application()\n"
+        f"app[server.STATE] = server.State(server.parse_args(['--mcp', {ARITH!r}]))\n"
         "async def main():\n"
-        "    tools, _ = await server.start_mcp([arith])\n"
-        "    call = asyncio.ensure_future(tools['hangs']({}))\n"
+        "    await anext(server.mcp_ctx(app))\n"
+        "    call = asyncio.ensure_future(app[server.MCP][0]['hangs']({}))\n"
         "    # the call reaches the MCP server\n"
         "    await asyncio.sleep(1)\n"
         "    print('busy', flush=True)\n"
@@ -459,14 +475,13 @@ def test_a_killed_server_takes_its_busy_stdio_mcp_server_with_it():
 
 @needs_mcp
 def test_mcp_tools_over_streamable_http():
-    """start_mcp connects to an MCP server over streamable HTTP as the server does at start, and
+    """mcp_ctx connects to an MCP server over streamable HTTP as the server does at start, and
     RolloutEngine calls its tools; in this process (a server on it would start an engine for
     what the stdio test shows already)."""
     import asyncio
     import socket
 
     import engine
-    import server
     from client import free_port
 
     port = free_port()
@@ -477,12 +492,13 @@ def test_mcp_tools_over_streamable_http():
         time.sleep(0.1)
 
     async def calls():
-        arith = server.MCPServer("arith", f"http://127.0.0.1:{port}/mcp")
-        tools, schemas = await server.start_mcp([arith])
-        rollouts = engine.RolloutEngine(None, tools, schemas, tool_timeout=2.0)
-        answers = [await rollouts.call_tool(name, argument) for name, argument in CALLS]
-        await arith.stop()
-        return answers
+        async with mcp_servers("--mcp", f"arith=http://127.0.0.1:{port}/mcp") as (
+            tools,
+            schemas,
+            _,
+        ):
+            rollouts = engine.RolloutEngine(None, tools, schemas, tool_timeout=2.0)
+            return [await rollouts.call_tool(name, argument) for name, argument in CALLS]
 
     try:
         answers = asyncio.run(calls())
@@ -514,27 +530,18 @@ def test_train_refuses_tools_the_server_lacks_before_the_first_step(client):
 
 
 def test_an_mcp_tool_named_as_another_tool_is_refused_at_start():
-    """start_mcp as the server calls it at start, with its --tool names and calc taken: an MCP tool
-    of one of those names, or of another --mcp server's tool, fails the start in one line that
-    names the cause itself, not the task groups around it (it would replace the other tool); in
-    this process, as the start fails before the engine's."""
+    """An MCP tool named as a --tool, calc, or another --mcp server's tool (it would replace that
+    tool) stops the start in one line that names the cause itself, not the task groups around
+    it; in this process, as the start fails before the engine's."""
     import asyncio
 
-    import server
+    async def start(*flags):
+        async with mcp_servers(*flags):
+            pass
 
-    async def start(copies, taken):
-        servers = [
-            server.MCPServer("arith", f"{sys.executable} {MCP_TOOLS}") for _ in range(copies)
-        ]
-        try:
-            return await server.start_mcp(servers, taken)
-        finally:
-            for started in servers:
-                await started.stop()
-
-    for copies, taken in [(1, {"calc", "add"}), (2, {"calc"})]:
-        with pytest.raises(RuntimeError, match="'add' has the name of another tool") as e:
-            asyncio.run(start(copies, taken))
+    for flags in [("--tool", "add=tests.my_tools:plus", "--mcp", ARITH), ("--mcp", ARITH) * 2]:
+        with pytest.raises(SystemExit, match="'add' has the name of another tool") as e:
+            asyncio.run(start(*flags))
         assert "\n" not in str(e.value) and "ExceptionGroup" not in str(e.value)
 
 
