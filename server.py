@@ -802,9 +802,10 @@ def read_family_calls(rollouts, tool_parser):
 # -- MCP servers as tools (--mcp) -----------------------------------------------------------------
 @dataclass(eq=False)
 class MCPServer:
-    """One --mcp server (a command line started with the variables `env`, or a URL), and its
-    session while it is up. One that ends (its process exits) is logged at once, shown "down" in
-    /health, and started again after 1, 2, 4 ... 60 s."""
+    """One --mcp server (a command line started with the variables `env`, or a URL), its session
+    while it is up, and the task that holds it (`holder`, started by mcp_ctx). One that ends (its
+    process exits) is logged at once, shown "down" in /health, and started again after 1, 2, 4 ...
+    60 s."""
 
     name: str
     target: str

@@ -1352,7 +1352,7 @@ def main(argv=None):
     os.makedirs(cfg.out, exist_ok=True)
     servers = []  # (process, Client) of each server started here, added as it comes up
     try:
-        if not client:
+        if client is None:
             with ThreadPoolExecutor(cfg.num_servers) as pool:
                 list(pool.map(lambda k: servers.append(launch(cfg, k)), range(cfg.num_servers)))
             client = connect(cfg, [c.base_url for _, c in servers])
