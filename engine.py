@@ -24,6 +24,7 @@ a trainer imports without vLLM.
 import ast
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import inspect
 import json
@@ -797,32 +798,25 @@ def arithmetic(node):
     raise ValueError(f"not arithmetic: {ast.unparse(node)}")
 
 
-def in_daemon_thread(function, *args) -> asyncio.Future:
-    """function(*args) in a thread of its own, which never holds up the process's exit (a tool
-    that hangs is abandoned at its timeout): a future of its result, or of what it raised."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error):
-        if future.done():
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
+async def in_daemon_thread(function, slots: asyncio.Semaphore):
+    """function() in a thread of its own, once one of `slots` is free: its result, or what it
+    raised. The thread never holds up the process's exit (a tool that hangs is abandoned at its
+    timeout), and it holds its slot till it ends, past its caller's timeout too."""
+    await slots.acquire()
+    future = concurrent.futures.Future()
 
     def run():
-        try:
-            outcome = (function(*args), None)
         # whatever it raises, SystemExit too, is the caller's to read
+        try:
+            future.set_result(function())
         except BaseException as e:
-            outcome = (None, e)
-        # the loop may have closed meanwhile: nobody waits any more
-        with suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, *outcome)
+            future.set_exception(e)
 
     threading.Thread(target=run, daemon=True).start()
-    return future
+    thread = asyncio.wrap_future(future)
+    thread.add_done_callback(lambda _: slots.release())
+    # a timeout cancels the wait, not the thread (a thread cannot be stopped)
+    return await asyncio.shield(thread)
 
 
 # the JSON types of a Python tool's parameters, by their type hints (others: string)
@@ -847,15 +841,15 @@ def openai_tool(name, description, parameters) -> dict:
 
 
 def takes_one_string(tool) -> bool:
-    """Whether a tool takes the text after its name as it is (one str parameter: calc, an MCP
-    tool's JSON), not keyword arguments from a JSON object."""
+    """Whether a tool takes the text after its name as it is (one str parameter: calc), not
+    keyword arguments from a JSON object."""
     parameters = list(inspect.signature(tool, eval_str=True).parameters.values())
     if len(parameters) != 1 or parameters[0].kind == inspect.Parameter.VAR_KEYWORD:
         return False
     return parameters[0].annotation in (str, inspect.Parameter.empty)
 
 
-# plain tools running at once, at most (the others wait for a slot, within their timeout)
+# threads of one plain tool at once, at most (its other calls wait for a slot, within their timeout)
 TOOL_THREADS = 16
 
 
@@ -883,10 +877,13 @@ class RolloutEngine:
     read_call: Callable | None = None
 
     def __post_init__(self):
+        # a tool given with its schema (an MCP tool) takes the call's JSON object as one dict: its
+        # arguments never meet our own functions' keywords
+        self.takes_object = set(self.schemas or {})
         self.tools = {"calc": calculator, **(self.tools or {})}
         schemas = {name: python_tool_schema(name, f) for name, f in self.tools.items()}
         self.schemas = schemas | (self.schemas or {})
-        self.slots = asyncio.Semaphore(TOOL_THREADS)
+        self.slots = collections.defaultdict(lambda: asyncio.Semaphore(TOOL_THREADS))
 
     @property
     def tool_names(self):
@@ -912,7 +909,7 @@ class RolloutEngine:
             return f"error: unknown tool '{name}'"
         try:
             async with asyncio.timeout(self.tool_timeout):
-                return str(await self.run_tool(self.tools[name], argument, keywords))
+                return str(await self.run_tool(name, argument, keywords))
         except TimeoutError:
             return f"error: tool '{name}' timed out after {self.tool_timeout} s"
         # a tool's failure is the episode's business, whatever it raises (SystemExit, a
@@ -922,18 +919,21 @@ class RolloutEngine:
                 raise
             return f"error: {type(e).__name__}: {e}"
 
-    async def run_tool(self, tool, argument, keywords=False):
+    async def run_tool(self, name, argument, keywords=False):
         """An async tool (I/O: an HTTP API, a sandbox) is awaited; a plain one runs in a thread
-        of its own, on one of TOOL_THREADS slots, which it gives back at its timeout."""
-        if takes_one_string(tool) and not keywords:
+        of its own, on one of the tool's TOOL_THREADS slots, which the thread holds till it ends."""
+        tool = self.tools[name]
+        if name in self.takes_object:
+            call = functools.partial(tool, json.loads(argument or "{}"))
+        elif takes_one_string(tool) and not keywords:
             call = functools.partial(tool, argument)
         else:
             # keyword arguments, from a JSON object: NAME {"a": 1, "b": 2}
             call = functools.partial(tool, **json.loads(argument or "{}"))
         if asyncio.iscoroutinefunction(tool):
             return await call()
-        async with self.slots:
-            return await in_daemon_thread(call)
+        # a hung tool holds TOOL_THREADS threads at most: its later calls time out waiting for one
+        return await in_daemon_thread(call, self.slots[name])
 
     async def episode(
         self,

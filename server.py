@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -102,7 +103,7 @@ class State:
 ENGINE = web.AppKey("engine", Engine)
 ROLLOUT = web.AppKey("rollout", RolloutEngine)
 STATE = web.AppKey("state", State)
-# the --mcp servers' tools: ({name: function}, {name: OpenAI schema})
+# the --mcp servers' tools: ({name: function}, {name: OpenAI schema}, [MCPServer])
 MCP = web.AppKey("mcp", tuple)
 
 
@@ -300,6 +301,7 @@ async def health(request):
             "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
+            "mcp": {m.name: "up" if m.session else "down" for m in request.app[MCP][2]},
         },
         status=503 if engine.error else 200,
     )
@@ -802,74 +804,127 @@ def read_family_calls(rollouts, tool_parser):
 
 
 # -- MCP servers as tools (--mcp) -----------------------------------------------------------------
-async def serve_mcp(servers, ready: asyncio.Future, stop: asyncio.Event, taken=()):
-    """Connect to every --mcp server, (NAME, command line or URL), and list its tools: `ready` gets
-    ({tool name: async function of keyword arguments}, {tool name: OpenAI schema}), or an
-    error for a name in `taken` (--tool's, calc) or listed twice; then hold the connections until
-    `stop` is set. One task enters and leaves them all, as the mcp package's (anyio's) contexts
-    must be left by the task that entered them."""
-    tools, schemas, where = {}, {}, ""
-    try:
-        async with AsyncExitStack() as stack:
-            for name, target in servers:
-                where = f"--mcp {name}={target}"
-                async with asyncio.timeout(60):
-                    session = await mcp_session(stack, target)
-                    listed = (await session.list_tools()).tools
-                for tool in listed:
-                    if tool.name in tools or tool.name in taken:
-                        raise ValueError(f"its tool '{tool.name}' has the name of another tool")
-                    tools[tool.name] = functools.partial(call_mcp, session, tool.name)
-                    schemas[tool.name] = openai_tool(tool.name, tool.description, tool.input_schema)
-            ready.set_result((tools, schemas))
-            await stop.wait()
-    except Exception as e:
-        if not ready.done():
-            ready.set_exception(RuntimeError(f"{where}: {e!r}"))
-        print(f"the MCP connections ended: {e!r}", file=sys.stderr, flush=True)
+@dataclass(eq=False)
+class MCPServer:
+    """One --mcp server (a command line started with the variables `env`, or a URL), its session
+    while it is up, and the task that holds it (`holder`, started by mcp_ctx). One that ends (its
+    process exits) is logged at once, shown "down" in /health, and started again after 1, 2, 4 ...
+    60 s."""
+
+    name: str
+    target: str
+    env: dict | None = None
+    session: object = None
+    # set when the connection ends, or to stop
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: bool = False
+
+    async def stop(self):
+        self.stopping = True
+        self.closed.set()
+        await asyncio.wait([self.holder], timeout=10)
+
+    async def hold(self, listed: asyncio.Future):
+        """Connect, list the tools into `listed` (the first time; an error there ends it), hold
+        the connection until it ends, and connect again, until stopped. One task enters and leaves
+        the mcp package's (anyio's) contexts, as they must be left by the task that entered them."""
+        backoff = 1
+        while not self.stopping:
+            try:
+                async with AsyncExitStack() as stack:
+                    async with asyncio.timeout(60):
+                        session = await mcp_session(stack, self.target, self.env, self.closed)
+                        tools = (await session.list_tools()).tools
+                    self.session, backoff = session, 1
+                    if not listed.done():
+                        listed.set_result(tools)
+                    await self.closed.wait()
+                    # down from now, not once the connection is wound down
+                    self.session = None
+            # its own log (stderr, here) says why it ended
+            except Exception as e:
+                # the cause itself, not the task groups of anyio's around it
+                while isinstance(e, BaseExceptionGroup):
+                    e = e.exceptions[0]
+                if not listed.done():
+                    return listed.set_exception(e)
+            if self.stopping:
+                return
+            print(f"the MCP server {self.name} is down: restart in {backoff} s", file=sys.stderr)
+            self.closed = asyncio.Event()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.closed.wait(), backoff)
+            backoff = min(2 * backoff, 60)
+
+    async def call(self, tool, arguments: dict) -> str:
+        """MCP tool `tool` called with the call's JSON object: its result's text."""
+        if self.session is None:
+            return f"error: the MCP server {self.name} is down; it is being started again"
+        result = await self.session.call_tool(tool, arguments)
+        text = "\n".join(c.text for c in result.content if c.type == "text")
+        return f"error: {text}" if result.is_error else text
 
 
-async def mcp_session(stack, target):
+async def mcp_session(stack, target, env, closed: asyncio.Event):
     """An initialised MCP session (mcp's ClientSession) with `target`: a URL (streamable HTTP), or
-    a command line that is started (stdio) and stopped when `stack` closes."""
+    a command line started (stdio, with `env`) and stopped when `stack` closes. `closed` is set
+    when the server's side of the connection ends."""
     # imported here: a server without --mcp needs no mcp package (the GPU machines have none)
+    import anyio
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
     from mcp.client.streamable_http import streamable_http_client
 
     if target.startswith(("http://", "https://")):
-        streams = await stack.enter_async_context(streamable_http_client(target))
+        receive, send = await stack.enter_async_context(streamable_http_client(target))
     else:
-        command, *args = shlex.split(target)
-        server = StdioServerParameters(command=command, args=args)
-        streams = await stack.enter_async_context(stdio_client(server))
-    session = await stack.enter_async_context(ClientSession(*streams))
+        # Linux's parent-death signal (util-linux's setpriv): it dies with this server, SIGKILL too
+        setpriv = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+        command, *args = setpriv + shlex.split(target)
+        server = StdioServerParameters(command=command, args=args, env=env)
+        receive, send = await stack.enter_async_context(stdio_client(server))
+    # the session reads the server's messages through a stream of ours, whose end (the server's
+    # stdout closed: it exited) sets `closed`
+    forward_to, watched = anyio.create_memory_object_stream(0)
+    forwarding = asyncio.ensure_future(forward(receive, forward_to, closed))
+    stack.callback(forwarding.cancel)
+    session = await stack.enter_async_context(ClientSession(watched, send))
     await session.initialize()
     return session
 
 
-async def call_mcp(session, name, **arguments) -> str:
-    """MCP tool `name` called with `arguments` (the call's JSON object): its result's text."""
-    result = await session.call_tool(name, arguments)
-    text = "\n".join(c.text for c in result.content if c.type == "text")
-    return f"error: {text}" if result.is_error else text
+async def forward(source, sink, closed: asyncio.Event):
+    """Send every message of `source` on to `sink`; set `closed` when `source` ends."""
+    async with sink:
+        async for message in source:
+            await sink.send(message)
+        closed.set()
 
 
 async def mcp_ctx(app):
-    """The --mcp servers' tools (app[MCP]), connected before the engine starts and closed after
-    it stops, in a task of their own (serve_mcp)."""
-    ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
+    """The --mcp servers, started before the engine and stopped after it, each held by a task of
+    its own (MCPServer.hold): app[MCP] = ({tool name: async function of the call's JSON object},
+    {tool name: OpenAI schema}, the MCPServers). A server that does not start, or a tool named as
+    one of --tool's, calc or another server's (it would replace that tool), stops the start."""
     flags = app[STATE].flags
-    taken = {"calc", *dict(flags.tool or [])}
-    task = asyncio.ensure_future(serve_mcp(flags.mcp or [], ready, stop, taken))
-    try:
-        app[MCP] = await ready
-    except RuntimeError as e:
-        sys.exit(f"error: {e}")
+    env = {name: os.environ.get(name, "") for name in flags.mcp_env or []}
+    servers = [MCPServer(name, target, env) for name, target in flags.mcp or []]
+    tools, schemas, taken = {}, {}, {"calc", *dict(flags.tool or [])}
+    for server in servers:
+        listed = asyncio.get_running_loop().create_future()
+        server.holder = asyncio.ensure_future(server.hold(listed))
+        try:
+            for tool in await listed:
+                if tool.name in tools or tool.name in taken:
+                    raise ValueError(f"its tool '{tool.name}' has the name of another tool")
+                tools[tool.name] = functools.partial(server.call, tool.name)
+                schemas[tool.name] = openai_tool(tool.name, tool.description, tool.input_schema)
+        except Exception as e:
+            sys.exit(f"error: --mcp {server.name}={server.target}: {e!r}")
+    app[MCP] = (tools, schemas, servers)
     yield
-    stop.set()
-    with suppress(TimeoutError):
-        await asyncio.wait_for(task, 10)
+    for server in servers:
+        await server.stop()
 
 
 def make_app(args, flags) -> web.Application:
@@ -900,7 +955,7 @@ def make_app(args, flags) -> web.Application:
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
-        mcp_tools, mcp_schemas = app[MCP]
+        mcp_tools, mcp_schemas, _ = app[MCP]
         tools = dict(flags.tool or []) | mcp_tools
         app[ROLLOUT] = RolloutEngine(engine, tools, mcp_schemas, tool_timeout=flags.tool_timeout)
         if flags.tool_call_parser:
@@ -1044,6 +1099,9 @@ def add_tool_flags(g):
     g.add_argument(
         "--mcp", type=mcp_flag, action="append", metavar="NAME=COMMAND|URL", help="MCP tools"
     )
+    # a stdio MCP server gets none of this server's environment but PATH, HOME and a few (the mcp
+    # package's choice): these variables too (repeatable)
+    g.add_argument("--mcp-env", action="append", metavar="NAME", help="passed to stdio MCP servers")
     # a tool that takes longer answers with an error
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
 

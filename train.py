@@ -503,7 +503,8 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             # per sample: the tokens it sampled, and whether --max-tokens cut it
             tensors["lengths"].append(torch.tensor([sum(seq.mask) for seq in seqs]))
             tensors["truncated"].append(torch.tensor([seq.truncated for seq in seqs]).float())
-            tensors["called"].append(torch.tensor([seq.tool_calls > 0 for seq in seqs]).float())
+            calls = [[seq.tool_calls, seq.tool_errors] for seq in seqs]
+            tensors["tool_calls"].append(torch.tensor(calls).view(-1, 2))
             # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
             sampled = [lp for seq in seqs for lp in seq.sampled(seq.logprobs)]
             tensors["sampled_logprobs"].append(torch.tensor(sampled))
@@ -611,8 +612,9 @@ class Sample:
     reward: float = 0.0
     rewards: list = ()
     truncated: bool = False
-    # tool calls of an episode
+    # tool calls of an episode, and those answered with an error
     tool_calls: int = 0
+    tool_errors: int = 0
 
     def sampled(self, values):
         """Those of per-token `values` at the tokens the model sampled."""
@@ -635,6 +637,7 @@ def sequence(row, sample, rewards) -> Sample:
             **rewards(sample.turns[-1]["text"], row),
             truncated=sample.finish_reason == "length",
             tool_calls=len(sample.tool_calls),
+            tool_errors=sum(call["result"].startswith("error") for call in sample.tool_calls),
         )
     prompt = sample.prompt_token_ids
     return Sample(
@@ -907,7 +910,7 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
         "truncated": stats["truncated"].mean().item(),
-        "tool_share": stats["called"].mean().item(),
+        **tool_metrics(stats["tool_calls"]),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "version": version,
@@ -943,6 +946,16 @@ def reward_metrics(names, each_reward):
     `each_reward` (samples, functions), NaN where one does not apply; None where none does."""
     means = each_reward.nanmean(dim=0).tolist()
     return {f"reward/{name}": None if math.isnan(m) else m for name, m in zip(names, means)}
+
+
+def tool_metrics(tool_calls):
+    """The share of samples that called a tool, the step's tool calls, and those that answered an
+    error, from each sample's (calls, errors) (B, 2); a warning when most of the calls failed."""
+    calls, errors = tool_calls.sum(0).tolist()
+    if errors > calls / 2:
+        print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
+    share = (tool_calls[:, 0] > 0).float().mean().item()
+    return {"tool_share": share, "tool_calls": calls, "tool_errors": errors}
 
 
 # dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
@@ -1514,6 +1527,8 @@ def main(argv=None):
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
         if dist.get_rank() > 0:
             return follow()
+    # a running server first: one that lacks a tool of --tools refuses the run before the warm start
+    client = connect(cfg, cfg.server_url.split(",")) if cfg.server_url else None
     # before anything else: every row of the data is checked, a file that is not there said
     try:
         data = load_data(cfg)
@@ -1532,11 +1547,10 @@ def main(argv=None):
     os.makedirs(cfg.out, exist_ok=True)
     servers = []  # (process, Client) of each server started here, added as it comes up
     try:
-        if not cfg.server_url:
+        if client is None:
             with ThreadPoolExecutor(cfg.num_servers) as pool:
                 list(pool.map(lambda k: servers.append(launch(cfg, k)), range(cfg.num_servers)))
-        urls = cfg.server_url.split(",") if cfg.server_url else [c.base_url for _, c in servers]
-        client = connect(cfg, urls)
+            client = connect(cfg, [c.base_url for _, c in servers])
         result = eval_only(client, cfg, data[1]) if cfg.eval_only else train(cfg, client, data)
         lead("stop")
         return result
@@ -1575,9 +1589,7 @@ def launch(cfg, k):
         flags += ["--max-loras", str(cfg.max_staleness + 2), "--max-body-mb", "1024"]
     if cfg.task == "power":
         # its MCP server
-        mcp_arith = os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "examples", "mcp_arith.py"
-        )
+        mcp_arith = Path(__file__).resolve().parent / "examples" / "mcp_arith.py"
         flags += ["--mcp", f"arith={sys.executable} {mcp_arith}"]
     gpu = {"CUDA_VISIBLE_DEVICES": str(k)} if cfg.num_servers > 1 else {}
     log = os.path.join(cfg.out, f"server{k}.log")

@@ -30,6 +30,18 @@ def hangs() -> str:
 
 
 @mcp.tool()
+def echo(name: str, session: str) -> str:
+    """Both arguments: parameters named as the calling server's own (name, session)."""
+    return f"{name} {session}"
+
+
+@mcp.tool()
+def getenv(variable: str) -> str:
+    """This MCP server's environment variable `variable`, or "unset"."""
+    return os.environ.get(variable, "unset")
+
+
+@mcp.tool()
 def dies() -> str:
     """End this MCP server mid-call."""
     os._exit(1)

@@ -93,6 +93,16 @@ def test_failing_unknown_and_slow_tools_answer_with_an_error_text(client, call, 
     assert client.health()["status"] == "ok"
 
 
+def test_a_tool_answer_is_tokenised_as_text_not_as_special_tokens(client, tokenizer):
+    """A tool that answers "<|endoftext|>" (the tiny model's control token): the episode holds
+    those characters, one token each, never the end-of-text token."""
+    ep = greedy_rollout(client, "<tool>reverse >|txetfodne|<", max_turns=2)
+    assert ep.tool_calls[0]["result"] == "<|endoftext|>"
+    output = segments(ep)[2]
+    text = tokenizer("<result><|endoftext|></result>", split_special_tokens=True).input_ids
+    assert output == (0, text) and tokenizer.eos_token_id not in output[1]
+
+
 def test_tools_of_ones_own_are_listed_and_called(client):
     assert {"reverse", "shout"} <= set(client.health()["tools"])
     ep = greedy_rollout(client, "<tool>reverse abc", max_turns=2)
@@ -205,6 +215,28 @@ def test_hung_tools_do_not_hold_up_the_process_exit():
     )
     assert done.returncode == 0, done.stderr
     assert "timed out after 0.5 s" in done.stdout
+
+
+def test_timed_out_plain_tools_hold_no_more_threads_than_their_slots():
+    """120 calls of a plain tool that hangs, 40 at a time: each that times out leaves its thread
+    running (a thread cannot be stopped), but past TOOL_THREADS of them the calls wait for a
+    slot and time out there, starting none. In a process of its own, without an engine."""
+    code = (
+        "import asyncio, threading, engine, tests.my_tools as t\n"
+        "r = engine.RolloutEngine(None, {'hang': t.hang}, tool_timeout=0.5)\n"
+        "async def main():\n"
+        "    before = threading.active_count()\n"
+        "    for _ in range(3):\n"
+        "        await asyncio.gather(*(r.call_tool('hang', '') for _ in range(40)))\n"
+        "    print(threading.active_count() - before, engine.TOOL_THREADS)\n"
+        "asyncio.run(main())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    threads, bound = map(int, done.stdout.split())
+    assert threads <= bound, (threads, bound)
 
 
 def test_a_drain_update_waits_for_whole_tool_episodes(client, model_path):
@@ -331,30 +363,126 @@ def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weight
         ("add {bad", "error: JSONDecodeError"),
         ("hangs", "error: tool 'hangs' timed out after 5.0 s"),
         ('add {"a": 1, "b": 1}', "2"),
-        # the MCP server dies mid-call: its tools answer an error, the others go on
-        ("dies", "error: MCPError"),
-        ('add {"a": 1, "b": 1}', "error: MCPError"),
-        ("calc 1+1", "2"),
+        # arguments named as the server's own function's: they go to the tool as one dict
+        ('echo {"name": "a", "session": "b"}', "a b"),
     ],
 )
 def test_mcp_tools_over_stdio_in_episodes(client, call, result):
-    """The session server's --mcp arith=... (tests/mcp_tools.py): called with JSON arguments, in
-    this order (the last ones after the MCP server died)."""
+    """The session server's --mcp arith=... (tests/mcp_tools.py): called with JSON arguments."""
     ep = greedy_rollout(client, f"<tool>{call}", max_turns=2)
     assert ep.tool_calls[0]["result"].startswith(result)
     assert client.health()["status"] == "ok"
 
 
 @needs_mcp
+def test_a_dead_mcp_server_shows_down_in_health_and_is_started_again(client):
+    """The session server's MCP server exits mid-call (`dies`): /health shows it down at once, it
+    is started again (after 1 s), and its tools answer again; the other tools never stopped."""
+    ep = greedy_rollout(client, "<tool>dies", max_turns=2)
+    assert ep.tool_calls[0]["result"].startswith("error: MCPError")
+    assert client.health()["mcp"] == {"arith": "down"}
+    assert greedy_rollout(client, "<tool>calc 1+1", max_turns=2).tool_calls[0]["result"] == "2"
+    deadline = time.monotonic() + 60
+    while client.health()["mcp"] != {"arith": "up"}:
+        assert time.monotonic() < deadline, "the MCP server was not started again within 60 s"
+        time.sleep(0.2)
+    ep = greedy_rollout(client, '<tool>add {"a": 1, "b": 1}', max_turns=2)
+    assert ep.tool_calls[0]["result"] == "2"
+
+
+@contextlib.asynccontextmanager
+async def mcp_servers(*flags):
+    """The MCP servers of the server's `flags`, started and stopped as the server does (mcp_ctx),
+    in this process and without an engine: yields (tools, schemas, the MCPServers)."""
+    from aiohttp import web
+
+    import server
+
+    app = web.Application()
+    app[server.STATE] = server.State(server.parse_args(list(flags)))
+    started = server.mcp_ctx(app)
+    await anext(started)
+    try:
+        yield app[server.MCP]
+    finally:
+        await anext(started, None)
+
+
+ARITH = f"arith={sys.executable} {MCP_TOOLS}"
+
+
+@needs_mcp
+def test_mcp_env_passes_the_named_variables_to_a_stdio_mcp_server(monkeypatch):
+    """--mcp-env NAME: the MCP server sees NAME; a variable not named stays unset there (the mcp
+    package passes only PATH, HOME and a few)."""
+    import asyncio
+
+    import engine
+
+    monkeypatch.setenv("ASYNC_GRPO_PASSED", "yes")
+    monkeypatch.setenv("ASYNC_GRPO_KEPT", "secret")
+
+    async def answers():
+        async with mcp_servers("--mcp", ARITH, "--mcp-env", "ASYNC_GRPO_PASSED") as (
+            tools,
+            schemas,
+            _,
+        ):
+            rollouts = engine.RolloutEngine(None, tools, schemas)
+            names = ("ASYNC_GRPO_PASSED", "ASYNC_GRPO_KEPT")
+            return [await rollouts.call_tool("getenv", f'{{"variable": "{n}"}}') for n in names]
+
+    assert asyncio.run(answers()) == ["yes", "unset"]
+
+
+@needs_mcp
+def test_a_killed_server_takes_its_busy_stdio_mcp_server_with_it():
+    """SIGKILL of a process that started a stdio MCP server as the server does (mcp_ctx) while
+    a call of `hangs` keeps that MCP server busy: the MCP server dies too (else it would live
+    for the 10 minutes of the call). In a process of its own, without an engine."""
+    import psutil
+
+    code = (
+        "import asyncio, server\n"
+        "from aiohttp import web\n"
+        "app = web.Application()\n"
+        f"app[server.STATE] = server.State(server.parse_args(['--mcp', {ARITH!r}]))\n"
+        "async def main():\n"
+        "    await anext(server.mcp_ctx(app))\n"
+        "    call = asyncio.ensure_future(app[server.MCP][0]['hangs']({}))\n"
+        "    # the call reaches the MCP server\n"
+        "    await asyncio.sleep(1)\n"
+        "    print('busy', flush=True)\n"
+        "    await call\n"
+        "asyncio.run(main())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE)
+    children = []
+    try:
+        assert proc.stdout.readline() == b"busy\n"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children
+        proc.kill()
+        proc.wait(30)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+    finally:
+        proc.kill()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+@needs_mcp
 def test_mcp_tools_over_streamable_http():
-    """serve_mcp connects to an MCP server over streamable HTTP as the server does at start, and
+    """mcp_ctx connects to an MCP server over streamable HTTP as the server does at start, and
     RolloutEngine calls its tools; in this process (a server on it would start an engine for
     what the stdio test shows already)."""
     import asyncio
     import socket
 
     import engine
-    import server
     from client import free_port
 
     port = free_port()
@@ -365,16 +493,13 @@ def test_mcp_tools_over_streamable_http():
         time.sleep(0.1)
 
     async def calls():
-        ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
-        connected = asyncio.ensure_future(
-            server.serve_mcp([("arith", f"http://127.0.0.1:{port}/mcp")], ready, stop)
-        )
-        tools, schemas = await ready
-        rollouts = engine.RolloutEngine(None, tools, schemas, tool_timeout=2.0)
-        answers = [await rollouts.call_tool(name, argument) for name, argument in CALLS]
-        stop.set()
-        await asyncio.wait_for(connected, 10)
-        return answers
+        async with mcp_servers("--mcp", f"arith=http://127.0.0.1:{port}/mcp") as (
+            tools,
+            schemas,
+            _,
+        ):
+            rollouts = engine.RolloutEngine(None, tools, schemas, tool_timeout=2.0)
+            return [await rollouts.call_tool(name, argument) for name, argument in CALLS]
 
     try:
         answers = asyncio.run(calls())
@@ -406,25 +531,39 @@ def test_train_refuses_tools_the_server_lacks_before_the_first_step(client):
 
 
 def test_an_mcp_tool_named_as_another_tool_is_refused_at_start():
-    """serve_mcp as the server calls it at start, with its --tool names and calc taken: an MCP tool
-    of one of those names, or of another --mcp server's tool, fails the start in one line (it
-    would replace the other tool); in this process, as the start fails before the engine's."""
+    """An MCP tool named as a --tool, calc, or another --mcp server's tool (it would replace that
+    tool) stops the start in one line that names the cause itself, not the task groups around
+    it; in this process, as the start fails before the engine's."""
     import asyncio
 
-    import server
+    async def start(*flags):
+        async with mcp_servers(*flags):
+            pass
 
-    arith = ("arith", f"{sys.executable} {MCP_TOOLS}")
+    for flags in [("--tool", "add=tests.my_tools:plus", "--mcp", ARITH), ("--mcp", ARITH) * 2]:
+        with pytest.raises(SystemExit, match="'add' has the name of another tool") as e:
+            asyncio.run(start(*flags))
+        assert "\n" not in str(e.value) and "ExceptionGroup" not in str(e.value)
 
-    async def start(servers, taken):
-        ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
-        connected = asyncio.ensure_future(server.serve_mcp(servers, ready, stop, taken))
-        try:
-            return await ready
-        finally:
-            stop.set()
-            await asyncio.wait_for(connected, 10)
 
-    for servers, taken in [([arith], {"calc", "add"}), ([arith, arith], {"calc"})]:
-        with pytest.raises(RuntimeError, match="'add' has the name of another tool") as e:
-            asyncio.run(start(servers, taken))
-        assert "\n" not in str(e.value)
+def test_train_refuses_tools_the_server_lacks_before_the_warm_start(client, tmp_path, monkeypatch):
+    """--server-url is asked for its tools before the built-in model's warm start (minutes on a
+    real task) runs: here, in a folder of the test's own, the warm start never made its model."""
+    monkeypatch.setattr(train, "TINY_MODEL_DIR", str(tmp_path / "tiny"))
+    args = ["--server-url", client.base_url, "--tools", "nosuch", "--warm-start-steps", "3"]
+    with pytest.raises(SystemExit, match="nosuch"):
+        train.main(args + ["--out", str(tmp_path / "run")])
+    assert not os.path.exists(train.builtin_folders(train.parse_config(args))[1])
+
+
+def test_a_run_whose_tool_calls_fail_counts_them_and_warns(
+    client, restore_weights, tmp_path, capsys
+):
+    """train.py --task power --tools exits: the model calls `power`, which its episodes may not
+    call, so every call answers an error; metrics.jsonl counts them and the step warns."""
+    args = ["--task", "power", "--tools", "exits", "--server-url", client.base_url]
+    args += ["--max-tokens", "48", "--max-turns", "2", "--steps", "1", "--out", str(tmp_path)]
+    # the warm start of test_a_short_run_of_the_power_task_calls_the_mcp_tool (built once)
+    [row] = train.main(args + ["--warm-start-steps", "30"])
+    assert row["tool_errors"] == row["tool_calls"] > 0
+    assert "WARNING: " in capsys.readouterr().err
