@@ -487,9 +487,10 @@ class Client(AbortsOnError):
         """Set up weight sync with the server's workers; `transport` ipc, nccl or gloo (default:
         chosen from `device`, where the trainer's tensors are). `host`: this machine's address as
         the workers reach it. `weight_sync_timeout`: our side's (the server has its own flag)."""
-        self._drop_group()
         info = self.health()
         transport, self.device = choose_transport(transport, device, info["gpus"])
+        # a call refused above changes nothing: the weight sync set up before stays
+        self._drop_group()
         port = info["group_port"]
         world_size = 1 + info["workers"]
         body = {"transport": transport}

@@ -81,7 +81,9 @@ class Engine:
         self.gate = asyncio.Event()  # set = admitting requests; cleared during a weight update
         self.gate.set()
         self.idle = asyncio.Condition()  # notified whenever in_flight or episodes drops to 0
-        self.new_version = asyncio.Condition()  # notified whenever the version goes up
+        # set, and replaced by a new one, whenever the version goes up: it wakes every waiter at
+        # once (a Condition would hand its lock from one to the next, a loop turn each)
+        self.new_version = asyncio.Event()
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.load_error = None  # set when an update failed while loading: the server then exits
         # vLLM logs why its engine core died in the worker processes only: they copy it here
@@ -246,7 +248,10 @@ class Engine:
     async def drain(self, timeout):
         """Let the requests and episodes in flight finish on the old version, within `timeout`
         seconds."""
-        if not await wait_until(self.idle, self.is_idle, timeout):
+        async with self.idle:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.idle.wait_for(self.is_idle), timeout)
+        if not self.is_idle():
             raise TimeoutError(
                 f"{self.in_flight} prompts still generating and {self.episodes} episodes in flight "
                 f"after the drain timeout of {timeout} s; nothing was sent"
@@ -296,8 +301,8 @@ class Engine:
         self.version = version
         # new base weights: an adapter trained on the old ones no longer applies
         self.lora = None
-        async with self.new_version:
-            self.new_version.notify_all()
+        self.new_version.set()
+        self.new_version = asyncio.Event()
 
     async def update_adapter(self, config, tensors, mode, drain_timeout, timeout, version=0):
         """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes or
@@ -327,8 +332,8 @@ class Engine:
             self.lora = lora
             self.version = max(self.version + 1, version)
             await self.remove_old_adapters()
-            async with self.new_version:
-                self.new_version.notify_all()
+            self.new_version.set()
+            self.new_version = asyncio.Event()
         return self.version
 
     async def remove_old_adapters(self):
@@ -348,7 +353,11 @@ class Engine:
 
     async def wait_for_version(self, version, timeout):
         """Return once weights `version` (or newer) are loaded; TimeoutError after `timeout` s."""
-        if not await wait_until(self.new_version, lambda: self.version >= version, timeout):
+        # at most the next version (server.parse_request): the next load brings it
+        if self.version < version:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.new_version.wait(), timeout)
+        if self.version < version:
             raise TimeoutError(f"weights version {version} were not loaded within {timeout} s")
 
     async def rpc(self, method, *args, timeout=60.0):
@@ -357,14 +366,6 @@ class Engine:
         return await asyncio.wait_for(
             self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5
         )
-
-
-async def wait_until(condition: asyncio.Condition, predicate, timeout) -> bool:
-    """Wait on `condition` until `predicate()` holds, at most `timeout` s; whether it holds."""
-    async with condition:
-        with suppress(TimeoutError):
-            await asyncio.wait_for(condition.wait_for(predicate), timeout)
-        return predicate()
 
 
 # -- the vLLM calls that may change between releases, one small function each ----------------------

@@ -51,7 +51,7 @@ SAMPLING_FIELDS |= dict.fromkeys(["ignore_eos", "include_stop_str_in_output"], b
 SAMPLING_FIELDS |= {"skip_special_tokens": bool, "stop": [str], "stop_token_ids": [int]}
 # the fields of /generate and /rollout besides the sampling ones: read by add_request() and the
 # routes
-REQUEST_FIELDS = ("prompts", "priority", "min_version", "keep_result")
+REQUEST_FIELDS = ("prompts", "priority", "min_version", "max_version", "keep_result")
 ROLLOUT_FIELDS = ("tools", "max_turns", "max_episode_tokens", "call_start", "call_end")
 # a tool's answer goes where the {} of result_format is: <result>{}</result>, or a chat template's
 # `tool` message (train.tool_message_format)
@@ -212,6 +212,8 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     # a request waits for its min_version: at most the next push's, or it might never run
     version = app[ENGINE].version
     checked_field(body, "min_version", int, 0, 0, version + 1, f" (the weights are at {version})")
+    # and never starts on weights past its max_version: at least the ones loaded
+    checked_field(body, "max_version", int, version, version, 2**63, f" (now at {version})")
     checked_field(body, "keep_result", bool, False)
     return prompts, params
 
@@ -249,7 +251,8 @@ def add_request(app, body, work, *args, nbytes=0) -> str:
     says."""
     state = app[STATE]
     request_id = uuid.uuid4().hex
-    task = asyncio.ensure_future(run_at_version(app, body.get("min_version", 0), work, *args))
+    versions = body.get("min_version", 0), body.get("max_version", math.inf)
+    task = asyncio.ensure_future(run_at_version(app, *versions, work, *args))
     state.tasks[request_id] = (task, args_key(body), nbytes)
     state.held_bytes += nbytes
     ttl = state.flags.result_ttl
@@ -312,12 +315,16 @@ def check_serving(app):
         raise ApiError(f"engine unusable: {app[ENGINE].error}", 503)
 
 
-async def run_at_version(app, min_version, work, *args):
-    """Run `work(app, *args)` (a coroutine function's) once weights `min_version` are loaded; the
-    result carries when it was queued, started and finished (the server's time.time()), to measure
-    the overlap."""
+async def run_at_version(app, min_version, max_version, work, *args):
+    """Run `work(app, *args)` (a coroutine function's) once weights `min_version` are loaded, and
+    fail, never run, if those are past `max_version`; the result carries when it was queued,
+    started and finished (the server's time.time()), to measure the overlap."""
     queued = time.time()
     await app[ENGINE].wait_for_version(min_version, app[STATE].flags.min_version_timeout)
+    # an update under way: its weights are the ones this would start on
+    await app[ENGINE].gate.wait()
+    if app[ENGINE].version > max_version:
+        raise RuntimeError(f"weights {app[ENGINE].version} are past max_version {max_version}")
     started = time.time()
     result = await work(app, *args)
     return {**result, "timing": {"queued": queued, "started": started, "finished": time.time()}}

@@ -8,7 +8,7 @@ import math
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 # -- the data --------------------------------------------------------------------------------------
@@ -130,20 +130,26 @@ short_sums_data = functools.partial(sums_data, most=4)
 @dataclass(frozen=True)
 class Task:
     """A built-in task (--task): its data, (n, seed) -> rows; its reward, (completion, row) -> [0,
-    1]; the server tools its episodes call (none: one completion per sample); and the rows the
-    built-in model's warm start learns from."""
+    1]; the server tools its episodes call (none: one completion per sample); the rows the
+    built-in model's warm start learns from; and train.py's flags where not given, {name: value}."""
 
     data: Callable
     reward: Callable
     tools: tuple = ()
     warm_start_data: Callable = addition_data
+    defaults: dict = field(default_factory=dict)
 
 
 TASKS = {
     "addition": Task(data=addition_data, reward=addition_reward),
     "calculator": Task(data=calculator_data, reward=answer_reward, tools=("calc",)),
+    # the call, '<tool>power {"base":7,"exponent":5}</tool>', is 42 of the built-in model's tokens
     "power": Task(
-        data=power_data, reward=answer_reward, tools=("power",), warm_start_data=power_warm_data
+        data=power_data,
+        reward=answer_reward,
+        tools=("power",),
+        warm_start_data=power_warm_data,
+        defaults={"max_tokens": 48, "max_turns": 2},
     ),
     "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
     "short-sums": Task(data=short_sums_data, reward=sums_reward, warm_start_data=short_sums_data),

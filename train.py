@@ -207,7 +207,9 @@ def parse_config(argv=None) -> Config:
         given = parse_flags(parser, argv)
         if "config" in given:
             given = parse_flags(parser, config_flags(given.pop("config"))) | given
-        return Config(**resumed_settings(given, parser))
+        settings = resumed_settings(given, parser)
+        # the task's own defaults, where neither a flag nor the resumed run sets them
+        return Config(**TASKS[settings.get("task", Config.task)].defaults | settings)
     except ValueError as e:
         parser.error(str(e))
 
@@ -313,7 +315,7 @@ def train(cfg: Config, client: Client, data=None):
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, policy, tok, step + 1, rng, rollouts)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
-            warn_mismatch(row, cfg)
+            warn_first_step(row, cfg)
             run_log.log(row)
             show_progress(bar, row)
         if cfg.eval_every:
@@ -327,14 +329,22 @@ def train(cfg: Config, client: Client, data=None):
 @contextlib.contextmanager
 def checkpoint_on_stop(cfg, policy, tok, rng, rollouts):
     """A run that stops (an error, Ctrl-C) leaves the checkpoint of its last completed step
-    (RunLog draws its plot): `--resume` goes on from there."""
+    (RunLog draws its plot): `--resume` goes on from there, as the error's note says."""
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         # under torchrun the optimizer's state is sharded: a checkpoint there does not resume
         if rollouts.next_step is not None and policy.resumable:
             save_checkpoint(cfg, policy, tok, rollouts.next_step, rng, rollouts)
+            e.add_note(
+                f"stopped at step {rollouts.next_step}; checkpoint in {cfg.out}; "
+                f"go on with: python train.py --resume {cfg.out}"
+            )
         raise
+    finally:
+        # train()'s frozen objects, never freed else, not even at exit, where libtriton (which
+        # transformers imports) reports the ones it made as leaks (29 lines of nanobind's)
+        gc.unfreeze()
 
 
 @dataclass
@@ -411,18 +421,18 @@ class Rollouts:
             self.queue.append(QueuedStep(rows or rng.sample(data, self.cfg.prompts_per_step)))
         # the queue and the weights agree again: a stop from here on leaves the checkpoint of s+1
         self.next_step = step + 1
-        if self.cfg.max_staleness == 0 and len(self.queue) > 0:
-            # if the server is lost meanwhile, it is reconnected and the next step submits
-            self.unless_lost(self.submit_queued, self.version + 1)
+        # submitted before the push it waits for; if the server is lost meanwhile, it is
+        # reconnected and the next step submits
+        self.unless_lost(self.submit_queued, self.version + 1)
 
-    def submit_queued(self, min_version=0):
-        """Submit the queued steps not submitted yet: to sample the weights the server holds, or
-        with `min_version` those weights, held by the server until our push loads them (no round
-        trip between the push and the next step's generation)."""
+    def submit_queued(self, version):
+        """Submit the queued steps not submitted yet, to sample exactly weights `version`: those
+        the server holds, or the next, held by the server until our push loads them (no round trip
+        between the push and the generation)."""
         for queued in self.queue:
             if queued.requests is None:
-                queued.version = max(self.version, min_version)
-                queued.requests = submit_rollouts(self.client, queued.rows, self.cfg, min_version)
+                queued.version = version
+                queued.requests = submit_rollouts(self.client, queued.rows, self.cfg, version)
 
     def push(self, weights):
         """Push `weights`, one version more than the server held (else the run stops); a drain
@@ -464,7 +474,7 @@ def accumulate_step(rollouts, policy, tok, measure_all):
     statistics and the intervals (time.time()) of generation and training."""
     cfg = rollouts.cfg
     # steps 0..K at the start, and the steps a lost server held (Rollouts.submit_next)
-    rollouts.submit_queued()
+    rollouts.submit_queued(rollouts.version)
     queued = rollouts.queue[0]
     version = rollouts.version
     tensors = collections.defaultdict(list)
@@ -556,15 +566,16 @@ def submit_prompts(client, rows, cfg, **sampling):
     return [client.rollout([prompt], is_async=True, **episode, **sampling) for prompt in prompts]
 
 
-def submit_rollouts(client, rows, cfg, min_version=0):
+def submit_rollouts(client, rows, cfg, version):
     """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
-    rows' order (collect() decides when the trainer takes which). With `min_version` the server
-    holds them until those weights are loaded (no round trip needed)."""
+    rows' order (collect() decides when the trainer takes which). They start on weights `version`
+    alone: the server holds them until it loads those, and refuses them past it."""
     sampling = dict(
         n=cfg.group_size,
         temperature=cfg.temperature,
         max_tokens=cfg.max_tokens,
-        min_version=min_version,
+        min_version=version,
+        max_version=version,
         # a queued step's results wait on the server, however long the steps before it train
         keep_result=True,
     )
@@ -1008,15 +1019,21 @@ def mismatch_metrics(deltas):
     }
 
 
-def warn_mismatch(row, cfg):
-    """At the first step (`row`'s), a loud warning if the trainer and the server disagree on the
-    sampled tokens' logprobs by more than --mismatch-warning on average."""
+def warn_first_step(row, cfg):
+    """At the first step (`row`'s), loud warnings: if the trainer and the server disagree on the
+    sampled tokens' logprobs by more than --mismatch-warning on average; if --max-tokens cut every
+    completion."""
     if row["step"] == 0 and (row["mismatch_mean"] or 0.0) > cfg.mismatch_warning:
         print(
             f"\nWARNING: the trainer's logprobs of the sampled tokens differ from the server's by "
             f"{row['mismatch_mean']:.3g} on average (max {row['mismatch_max']:.3g}), above "
             f"--mismatch-warning {cfg.mismatch_warning}. Usual causes: another tokenizer or chat "
             f"template on the two sides, the served --dtype, the family's logit post-processing.\n",
+            file=sys.stderr,
+        )
+    if row["step"] == 0 and row["truncated"] == 1:
+        print(
+            f"\nWARNING: every completion of step 0 hit --max-tokens {cfg.max_tokens}: raise it\n",
             file=sys.stderr,
         )
 
@@ -1037,9 +1054,6 @@ def show_progress(bar, row):
 
 def finish_run(cfg, client, history):
     """After the last step: close weight sync, and print how reward and accuracy moved."""
-    # train()'s frozen objects are never freed, not even at exit, where libtriton (which
-    # transformers imports) reports the ones it made as leaks (29 lines of nanobind's)
-    gc.unfreeze()
     client.close_communicator()
     for key in ("reward", "accuracy"):
         first = mean(h[key] for h in history[:5])
@@ -1701,6 +1715,10 @@ def full_weights(model, dtype=""):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt as e:
+        # Ctrl-C: what was done is saved; one line says where, not a traceback
+        print(*getattr(e, "__notes__", ["stopped"]), file=sys.stderr)
+        sys.exit(130)
     finally:
         # under torchrun: leave the group, or gloo's threads abort the process as it exits
         if dist.is_initialized():

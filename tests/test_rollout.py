@@ -334,11 +334,12 @@ def test_python_tools_of_keyword_arguments_take_json(client):
 
 @needs_mcp
 def test_a_short_run_of_the_power_task_calls_the_mcp_tool(client, restore_weights, tmp_path):
-    """train.py --task power on the session server, whose --mcp arith=... has the `power` tool
-    (before the test below ends that MCP server): the warm start teaches the call, and the run's
-    episodes call the MCP tool, with two arguments, and get its answers."""
-    args = ["--task", "power", "--server-url", client.base_url, "--max-tokens", "48"]
-    args += ["--max-turns", "2", "--steps", "2", "--out", str(tmp_path)]
+    """train.py --task power, as the README writes it, on the session server, whose --mcp
+    arith=... has the `power` tool (before the test below ends that MCP server): the task's own
+    --max-tokens and --max-turns hold the call, the warm start teaches it, and the run's episodes
+    call the MCP tool, with two arguments, and get its answers."""
+    args = ["--task", "power", "--server-url", client.base_url, "--steps", "2"]
+    args += ["--out", str(tmp_path)]
     # a third of the default warm start: the call is learnt well before the guesses
     args += ["--warm-start-steps", "30"]
     history = train.main(args)

@@ -12,17 +12,18 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import struct
 import subprocess
 import sys
 import termios
-import threading
 import time
 import types
 
 import psutil
 import pytest
+import requests
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -31,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import plot
 import tasks
 import train
+from client import ServerError
 from conftest import needs_cuda, needs_two_gpus
 from local import save_model
 
@@ -243,13 +245,24 @@ def test_mismatch_kl_estimates_the_kl_of_server_and_trainer_from_server_samples(
 
 def test_a_mismatch_above_the_threshold_at_the_first_step_warns_naming_the_usual_causes(capsys):
     cfg = train.Config(model="m", mismatch_warning=0.05)
-    row = {"step": 0, **train.mismatch_metrics(torch.tensor([0.2, -0.1]))}
-    train.warn_mismatch(row, cfg)
+    row = {"step": 0, "truncated": 0.5, **train.mismatch_metrics(torch.tensor([0.2, -0.1]))}
+    train.warn_first_step(row, cfg)
     warning = capsys.readouterr().err
     assert all(cause in warning for cause in ("WARNING", "tokenizer", "dtype", "post-processing"))
     # below the threshold, or at a later step: silent
-    train.warn_mismatch({**row, **train.mismatch_metrics(torch.tensor([0.01, -0.02]))}, cfg)
-    train.warn_mismatch({**row, "step": 1}, cfg)
+    train.warn_first_step({**row, **train.mismatch_metrics(torch.tensor([0.01, -0.02]))}, cfg)
+    train.warn_first_step({**row, "step": 1}, cfg)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_first_step_whose_completions_all_hit_max_tokens_warns_naming_the_flag(capsys):
+    cfg = train.Config(model="m", max_tokens=4)
+    row = {"step": 0, "truncated": 1.0, "mismatch_mean": 0.0}
+    train.warn_first_step(row, cfg)
+    assert "WARNING: every completion of step 0 hit --max-tokens 4" in capsys.readouterr().err
+    # some completions end on their own, or a later step: silent
+    train.warn_first_step({**row, "truncated": 0.9}, cfg)
+    train.warn_first_step({**row, "step": 1}, cfg)
     assert capsys.readouterr().err == ""
 
 
@@ -600,6 +613,28 @@ def test_a_request_with_min_version_waits_for_those_weights(server, model_path, 
     assert server.update_model_params(model) == v0 + 1
     [[c]] = held.result(timeout=60)
     assert c.version == v0 + 1 and held.timing["started"] >= held.timing["queued"]
+    server.close_communicator()
+
+
+def test_a_request_an_update_overtakes_past_its_max_version_fails_and_generates_nothing(
+    server, model_path, restore_weights
+):
+    """Held for the next version and bound to it (min_version = max_version), a request whose push
+    lands as a later version (a Router's `version`) is refused at /get_future, never run."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    server.init_communicator(transport="gloo")
+    v0 = server.health()["version"]
+    bound = {"min_version": v0 + 1, "max_version": v0 + 1}
+    held = server.generate(["later"], max_tokens=4, is_async=True, **bound)
+    finished = requests.get(server.base_url + "/metrics", timeout=30).text
+    assert server.update_model_params(model, version=v0 + 2) == v0 + 2
+    with pytest.raises(ServerError, match=f"past max_version {v0 + 1}") as refused:
+        held.result(timeout=60)
+    assert refused.value.status == 422
+    # the finished requests and the tokens generated, counted in /metrics, are as they were
+    counted = re.compile(r"^asyncgrpo_(?:requests|completion_tokens)_total .*$", re.M)
+    after = requests.get(server.base_url + "/metrics", timeout=30).text
+    assert counted.findall(after) == counted.findall(finished) != []
     server.close_communicator()
 
 
@@ -1070,6 +1105,32 @@ def test_a_resume_at_a_smaller_max_staleness_trains_at_it_from_its_first_step(
     assert [h["staleness_max"] for h in history[3:]] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("update_mode", ["drain", "in-flight"])
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_resumed_stale_run_samples_each_step_on_the_weights_its_schedule_promises(
+    server, model_path, tmp_path, restore_weights, max_staleness, update_mode
+):
+    """A run at K = 1 or 2 stops after 2 steps; resumed, its K + 1 queued steps are submitted at
+    once on the resumed weights and train back to back (every reward 0: no backward, as fast as a
+    step goes), while the steps after them are submitted. Every step completes, its samples K
+    versions behind the weights it trains (fewer for the queued steps): exactly so under drain
+    updates, at most so in flight, where a push may move a request on to newer weights."""
+    settings = {"max_staleness": max_staleness, "update_mode": update_mode}
+    settings |= {"reward": "tests.my_rewards:zero", "prompts_per_step": 32}
+    train.train(tiny_run(model_path, tmp_path, steps=2, **settings), server)
+    steps = 2 + max_staleness + 3
+    resumed = tiny_run(model_path, tmp_path, steps=steps, resume=str(tmp_path), **settings)
+    history = train.train(resumed, server)
+    assert [h["step"] for h in history] == list(range(steps))
+    promised = [min(i, max_staleness) for i in range(steps - 2)]
+    if update_mode == "drain":
+        # every token of the step: its mean and its largest staleness are the promised one
+        assert [(h["staleness"], h["staleness_max"]) for h in history[2:]] == [
+            (behind, behind) for behind in promised
+        ]
+    assert all(h["staleness_max"] <= behind for h, behind in zip(history[2:], promised))
+
+
 def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_run_resumable(
     server, model_path, tmp_path, restore_weights
 ):
@@ -1100,30 +1161,38 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
     assert [h["step"] for h in history] == [0, 1, 2, 3]
 
 
-def test_a_run_stopped_by_ctrl_c_leaves_a_checkpoint_of_its_last_completed_step(
-    server, model_path, tmp_path, restore_weights, default_sigint
+def test_a_run_stopped_by_ctrl_c_says_in_one_line_where_it_goes_on_and_goes_on_there(
+    server, model_path, tmp_path, restore_weights
 ):
-    """Ctrl-C (SIGINT to this process) once two steps are logged: the run saves its checkpoint and
-    plot, and resumes from there."""
-    metrics = tmp_path / "metrics.jsonl"
-
-    def ctrl_c_after_two_steps():
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=ctrl_c_after_two_steps, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        train.train(tiny_run(model_path, tmp_path, steps=1000), server)
-    step = torch.load(train.state_path(str(tmp_path)))["step"]
+    """train.py, Ctrl-C (SIGINT) once two steps are logged: the run saves its checkpoint and plot
+    and says so in one line (no traceback, no leak reports of nanobind's); resumed, it goes on from
+    the step that line names."""
+    out = tmp_path / "run"
+    flags = ["--server-url", server.base_url, "--model", model_path, "--out", str(out)]
+    flags += ["--steps", "1000", "--prompts-per-step", "4", "--micro-batches", "2"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        command = [sys.executable, os.path.join(root, "train.py"), *flags, "--group-size", "2"]
+        run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=root)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert run.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=120) == 130
+    step = torch.load(train.state_path(str(out)))["step"]
+    said = stderr.read_text()
+    assert said.splitlines()[-1] == (
+        f"stopped at step {step}; checkpoint in {out}; go on with: python train.py --resume {out}"
+    )
+    assert "Traceback" not in said and "nanobind" not in said, said[-3000:]
     logged = [json.loads(line)["step"] for line in open(metrics)]
     # the steps logged, and one more if the Ctrl-C came during a step's push or its log
     assert step >= 2 and logged == list(range(len(logged))) and step - len(logged) in (0, 1)
-    assert os.path.getsize(tmp_path / "plot.png") > 10_000
-    resumed = tiny_run(model_path, tmp_path, steps=step + 1, resume=str(tmp_path))
+    assert os.path.getsize(out / "plot.png") > 10_000
+    resumed = tiny_run(model_path, out, steps=step + 1, resume=str(out))
     assert train.train(resumed, server)[-1]["step"] == step
 
 

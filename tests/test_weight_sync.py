@@ -307,6 +307,21 @@ def test_close_then_init_again(server, hf):
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
 
 
+def test_a_refused_init_communicator_leaves_the_weight_sync_set_up_before(server, hf):
+    """init_communicator("cpu") (a device where a transport goes), refused, and a call the server
+    refuses change nothing: the weight sync set up before still pushes."""
+    server.init_communicator(transport="gloo")
+    try:
+        v0 = server.health()["version"]
+        with pytest.raises(ValueError, match="transport must be one of"):
+            server.init_communicator("cpu")
+        r = post(server, "/init_communicator", {"transport": "gloo", "world_size": 2})
+        assert r.status_code == 400 and server.health()["transport"] == "gloo"
+        assert server.update_model_params(hf[0]) == v0 + 1
+    finally:
+        server.close_communicator()
+
+
 def test_an_update_whose_caller_goes_away_after_sending_still_lands(server, hf):
     model, tokenizer = hf
     new = perturbed(model, seed=5)
