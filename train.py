@@ -469,9 +469,8 @@ def timed(intervals):
 
 
 def accumulate_step(rollouts, policy, tok, measure_all):
-    """Submit the queued steps not submitted yet; collect the oldest one's samples and accumulate
-    the gradient of each micro-batch as it lands, its versions checked. Returns the step's
-    statistics and the intervals (time.time()) of generation and training."""
+    """Collect the oldest queued step's samples and accumulate each micro-batch's gradient as it
+    lands, its versions checked. Returns the step's statistics and phases' intervals."""
     cfg = rollouts.cfg
     # steps 0..K at the start, and the steps a lost server held (Rollouts.submit_next)
     rollouts.submit_queued(rollouts.version)
