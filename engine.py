@@ -39,12 +39,14 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
@@ -57,6 +59,7 @@ from client import (
     Episode,
     close_group,
     device_uuid,
+    fingerprint,
     open_cuda,
     unpack,
     wait_broadcast,
@@ -95,7 +98,9 @@ class Engine:
         self.lora_users = collections.Counter()
         # their folders, in shared memory where there is one; removed as the process exits
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.lora_dir = tempfile.TemporaryDirectory(prefix="async-grpo-lora-", dir=shm)
+        self.lora_dir = tempfile.TemporaryDirectory(
+            prefix=f"async-grpo-lora-{os.getpid()}-", dir=shm
+        )
         self.lora_ids = 0
 
     @property
@@ -293,15 +298,17 @@ class Engine:
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             ) from None
         self.version = version
-        # new base weights: an adapter trained on the old ones no longer applies
+        # new base weights: an adapter trained on the old ones no longer applies, and none stays
+        # loaded in vLLM's slots
         self.lora = None
+        await self.remove_old_adapters(keep=0)
         async with self.new_version:
             self.new_version.notify_all()
 
     async def update_adapter(self, config, tensors, mode, drain_timeout, timeout, version=0):
-        """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes or
-        a path to move it from) as the next version, or `version` if higher; returns it. A
-        ValueError or TimeoutError changes nothing (docs/internals.md#engineupdate_adapter)."""
+        """Serve a LoRA adapter (PEFT's adapter_config.json, and its tensors {name: tensor}) as the
+        next version, or `version` if higher; returns it. A ValueError or TimeoutError changes
+        nothing (docs/internals.md#engineupdate_adapter)."""
         # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
         # ids in an int32 tensor): one more than the last
         self.lora_ids += 1
@@ -309,10 +316,7 @@ class Engine:
         folder = os.path.join(self.lora_dir.name, str(lora_id))
         os.makedirs(folder)
         Path(folder, "adapter_config.json").write_text(json.dumps(config))
-        if isinstance(tensors, bytes):
-            Path(folder, "adapter_model.safetensors").write_bytes(tensors)
-        else:
-            shutil.move(tensors, Path(folder, "adapter_model.safetensors"))
+        save_file(tensors, Path(folder, "adapter_model.safetensors"))
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)
@@ -325,15 +329,15 @@ class Engine:
         async with self.gate_closed("drain" if mode == "drain" else None, drain_timeout, timeout):
             self.lora = lora
             self.version = max(self.version + 1, version)
-            await self.remove_old_adapters()
+            await self.remove_old_adapters(keep=self.args.max_loras)
             async with self.new_version:
                 self.new_version.notify_all()
         return self.version
 
-    async def remove_old_adapters(self):
-        """Remove the adapters older than the newest --max-loras that no request in flight uses
-        (vLLM would read one again from its folder); one in use goes at a later update."""
-        for lora in self.loras[: -self.args.max_loras]:
+    async def remove_old_adapters(self, keep):
+        """Remove the adapters older than the newest `keep` that no request in flight uses (vLLM
+        would read one again from its folder); one in use goes at a later update."""
+        for lora in self.loras[: len(self.loras) - keep]:
             if not self.lora_users[lora]:
                 await self.llm.remove_lora(lora.lora_int_id)
                 shutil.rmtree(lora.lora_path)
@@ -506,13 +510,22 @@ class WeightSyncWorker:
     ipc_received = []
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
+        """Join the trainer's weight group within one deadline, `weight_sync_timeout` s, below the
+        server's RPC timeout: a worker still in the RPC when that times out would answer the
+        engine's next step with it, and the engine core would die."""
         self.close_communicator()
         # ipc needs no group: the server checked that the trainer is on our GPU
         if transport != "ipc":
             rank = weight_rank(self.vllm_config)
-            self.group = weight_group(
-                transport, host, port, rank, world_size, weight_sync_timeout, self.device
-            )
+            options = (transport, host, port, rank, world_size, weight_sync_timeout, self.device)
+            # the store's connect, the group's mesh and the warm-up broadcast are each bounded by
+            # the timeout (the connect to a socket that listens and never answers, as a trainer's
+            # stopped by Ctrl-Z does, not at all): on a thread, which a silent trainer holds
+            joined = futures.Future()
+            joining = threading.Thread(target=resolve, args=(joined, weight_group, *options))
+            joining.daemon = True
+            joining.start()
+            self.group = joined.result(weight_sync_timeout)
         self.transport = transport
         self.weight_sync_timeout = weight_sync_timeout
 
@@ -545,7 +558,8 @@ class WeightSyncWorker:
         except Exception as e:
             return {"load_error": f"{type(e).__name__}: {e}"}
         timings = {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
-        return timings | loaded
+        # the weights served from now on, hashed as a trainer hashes its model's
+        return timings | loaded | {"fingerprint": fingerprint(received)}
 
     def load(self, received) -> dict:
         """Load the received [(name, tensor)] into the running model; engine.load_weights's counts
@@ -613,6 +627,14 @@ class WeightSyncWorker:
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
+
+
+def resolve(future: futures.Future, function, *args):
+    """Resolve `future` with function(*args), or with what it raised."""
+    try:
+        future.set_result(function(*args))
+    except Exception as e:
+        future.set_exception(e)
 
 
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------

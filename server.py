@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import base64
 import functools
+import glob
 import hashlib
 import hmac
 import json
@@ -28,17 +29,20 @@ import uuid
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
+import torch
 from aiohttp import web
+from huggingface_hub import snapshot_download
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, from_base64, load_function, model_error
+from client import DTYPES, TRANSPORTS, fingerprint, from_base64, load_function, model_error
 from engine import Engine, RolloutEngine, check_encodable, engine_args, openai_tool
 from local import tiny_model
 
@@ -84,6 +88,8 @@ class State:
     sessions: dict = field(default_factory=dict)
     # the weight transport set up by /init_communicator, if any
     transport: str | None = None
+    # client.fingerprint of the base weights served: the checkpoint's, then each full update's
+    fingerprint: str | None = None
     # the server then exits non-zero
     engine_died: bool = False
     # --tool-call-parser's vLLM ToolParser class, given the tokenizer: parser(tools)
@@ -202,6 +208,14 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     """The prompts and SamplingParams of a /generate or /rollout body (whose other fields are
     REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that add_request() reads."""
     check_serving(app)
+    # imported here, as make_app imports it: that module imports this one
+    from openai_face import chat_prompt
+
+    prompts = body.get("prompts")
+    # a conversation, [{role, content}, ...], rendered by the model's chat template (Client.chat)
+    for i, prompt in enumerate(prompts if isinstance(prompts, list) else []):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompts[i] = chat_prompt(app[ENGINE], {"messages": prompt})
     prompts = parse_prompts(body, app[STATE])
     params = parse_sampling(body, app[STATE], extra=(*REQUEST_FIELDS, *extra))
     checked_field(body, "priority", int, 0)
@@ -292,6 +306,8 @@ async def health(request):
             "gpus": state.gpus,
             "dtype": state.dtype,
             "transport": state.transport,
+            "fingerprint": state.fingerprint,
+            "adapters": [lora.lora_name for lora in engine.loras],
             # most sequences decoded at once
             "max_num_seqs": engine.llm.vllm_config.scheduler_config.max_num_seqs,
             "max_model_len": state.flags.max_model_len,
@@ -497,7 +513,9 @@ async def init_communicator(request):
         await request.app[ENGINE].rpc(
             "init_communicator", transport, host, port, world_size, timeout, timeout=timeout + 10
         )
+    # the workers left any group they were in: no update until an init succeeds
     except Exception as e:
+        state.transport = None
         raise ApiError(
             f"could not set up {transport} weight sync (group at {host}:{port}): {e!r}", 504
         ) from None
@@ -649,6 +667,7 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
         error = f"weight update failed, version {engine.version} kept: {e!r}"
         return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
+    app[STATE].fingerprint = timings["fingerprint"]
     return {"version": version, **timings}
 
 
@@ -662,15 +681,17 @@ async def update_adapter(request):
     refused = f"adapter refused, version {request.app[ENGINE].version} kept"
     start = time.perf_counter()
     try:
-        # the adapter's safetensors file: a path in /dev/shm on this host (the server takes the
-        # file over), or its bytes in the body
+        # the adapter's safetensors file: a path in /dev/shm on this host, or its bytes in the body
         if "adapter_file" in body:
-            tensors = shared_file(checked_field(body, "adapter_file", str))
-            shapes = safetensors_shapes(tensors)
+            adapter = load_file(shared_file(checked_field(body, "adapter_file", str)))
         else:
-            tensors = from_base64(checked_field(body, "adapter_model", str))
-            shapes = {name: t.shape for name, t in load_safetensors(tensors).items()}
-        check_adapter(config, shapes, state)
+            adapter = load_safetensors(from_base64(checked_field(body, "adapter_model", str)))
+        check_adapter(config, adapter, state)
+        # trained on other base weights (Client.update_adapter sends their fingerprint), it would
+        # be served on these and trained on their samples
+        base = body.get("base_fingerprint")
+        if None not in (base, state.fingerprint) and base != state.fingerprint:
+            raise ValueError(f"trained on base weights {base}, not the {state.fingerprint} served")
     # binascii's, safetensors' or check_adapter's
     except Exception as e:
         raise ApiError(f"{refused}: {e}") from None
@@ -678,44 +699,62 @@ async def update_adapter(request):
     # the drain's and the load's
     limits = state.flags.drain_timeout, state.flags.weight_sync_timeout
     try:
-        version = await request.app[ENGINE].update_adapter(config, tensors, mode, *limits, version)
+        version = await request.app[ENGINE].update_adapter(config, adapter, mode, *limits, version)
     except (TimeoutError, ValueError) as e:
         raise ApiError(f"{refused}: {e}", 503 if isinstance(e, TimeoutError) else 400) from None
     load_s = time.perf_counter() - start - read_s
     return web.json_response({"version": version, "read_s": read_s, "load_s": load_s})
 
 
+# the names of the files Client.update_adapter writes (mkstemp's), in /dev/shm itself
+CLIENT_FILE = re.compile(r"adapter-\w+\.safetensors")
+
+
 def shared_file(path):
-    """`path` if it is a .safetensors file in /dev/shm, else a ValueError: the one place a
-    client may hand the server a file."""
+    """`path` if it is a file of Client.update_adapter's: named as it names them, in /dev/shm
+    itself (never in the server's own adapter folders), owned by the server's user; else a
+    ValueError. The one place a client may hand the server a file."""
     real = os.path.realpath(path)
-    if not (
-        real.startswith("/dev/shm/") and real.endswith(".safetensors") and os.path.isfile(real)
-    ):
-        raise ValueError(f"'adapter_file' must be a .safetensors file in /dev/shm here: {path!r}")
+    made = os.path.dirname(real) == os.path.realpath("/dev/shm")
+    made = made and CLIENT_FILE.fullmatch(os.path.basename(real)) and os.path.isfile(real)
+    if not (made and os.stat(real).st_uid == os.getuid()):
+        raise ValueError(
+            "'adapter_file' must be a file Client.update_adapter wrote in /dev/shm "
+            f"(adapter-*.safetensors, of the server's user): {path!r}"
+        )
     return real
 
 
-def safetensors_shapes(path):
-    """{name: shape} of a safetensors file, read from its header alone."""
-    with safe_open(path, "pt") as f:
-        # a safe_open object is no mapping: keys() is its list of names
-        names = f.keys()
-        return {name: f.get_slice(name).get_shape() for name in names}
+# the largest LoRA scale, lora_alpha / r, that an adapter may have (PEFT's default is 1)
+MAX_LORA_SCALE = 1000
 
 
-def check_adapter(config, shapes, state):
-    """A ValueError unless each lora_A of the adapter is of shape (r, in) and each lora_B (out, r),
-    as their layer's weight is (out, in): vLLM loads wrong shapes without a word, and checks the
-    rest itself (Engine.update_adapter)."""
-    rank = config.get("r")
-    for name, shape in shapes.items():
+def check_adapter(config, adapter, state):
+    """A ValueError unless the `adapter`'s tensors {name: tensor} are finite, float16, bfloat16 or
+    float32, each lora_A of shape (r, in) and each lora_B (out, r), as their layer's weight is
+    (out, in), and its scale a finite number within MAX_LORA_SCALE: vLLM loads these without a
+    word (a NaN poisons later requests), and checks the rest itself (Engine.update_adapter)."""
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not (json_isinstance(rank, int) and rank > 0 and json_isinstance(alpha, float)):
+        raise ValueError("'r' must be a positive integer and 'lora_alpha' a number")
+    if not abs(alpha / rank) <= MAX_LORA_SCALE:
+        raise ValueError(f"the scale lora_alpha / r must be finite, at most {MAX_LORA_SCALE}")
+    for name, t in adapter.items():
         layer, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
         out, inputs = state.weight_spec.get(f"{layer}.weight", (None, None))
         # another kind (lora_embedding_A, ...): vLLM refuses what it does not take
-        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(kind, list(shape))
-        if list(shape) != expected:
-            raise ValueError(f"'{name}' has shape {list(shape)}; the model takes {expected}")
+        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(kind, list(t.shape))
+        if list(t.shape) != expected:
+            raise ValueError(f"'{name}' has shape {list(t.shape)}; the model takes {expected}")
+        if t.dtype not in DTYPES.values() or not t.isfinite().all():
+            raise ValueError(f"'{name}' must be finite float16, bfloat16 or float32: {t.dtype}")
+
+
+async def reset_prefix_cache(request):
+    """Empty vLLM's prefix cache, as TRL's server does; {"reset": false} while requests hold some
+    of it. (Each weight version caches its prefixes apart anyway: Engine._one.)"""
+    reset = await asyncio.wait_for(request.app[ENGINE].llm.reset_prefix_cache(), 60)
+    return web.json_response({"reset": reset})
 
 
 async def close_communicator(request):
@@ -868,6 +907,21 @@ async def mcp_ctx(app):
         await asyncio.wait_for(task, 10)
 
 
+def checkpoint_fingerprint(model, spec, dtype) -> str | None:
+    """client.fingerprint of the checkpoint the server starts on, from the rows of its safetensors
+    files that it hashes (a hub model's from the local cache); None where it has no such files."""
+    folder = (
+        model if os.path.isdir(model) else snapshot_download(model, allow_patterns="*.safetensors")
+    )
+    named = []
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in set(f.keys()) & set(spec):
+                rows = f.get_slice(name)
+                named.append((name, torch.cat([rows[:1], rows[-1:]])))
+    return fingerprint(named, DTYPES[dtype]) if named else None
+
+
 def make_app(args, flags) -> web.Application:
     """The server for AsyncEngineArgs `args` and the server's `flags` (parse_args): the engine
     starts with the app and stops with it."""
@@ -894,6 +948,7 @@ def make_app(args, flags) -> web.Application:
         state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
         state.workers = args.tensor_parallel_size * args.data_parallel_size
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
+        state.fingerprint = checkpoint_fingerprint(args.model, state.weight_spec, state.dtype)
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
         mcp_tools, mcp_schemas = app[MCP]
@@ -929,6 +984,7 @@ ROUTES = [
     web.post("/update_weights", update_weights),
     web.post("/close_communicator", close_communicator),
     web.post("/update_adapter", update_adapter),
+    web.post("/reset_prefix_cache", reset_prefix_cache),
     web.get("/metrics", make_aiohttp_handler()),
 ]
 
