@@ -22,7 +22,6 @@ import base64
 import contextlib
 import hashlib
 import importlib
-import itertools
 import json
 import math
 import os
@@ -67,7 +66,7 @@ def trl_output(results) -> dict:
     """generate()'s or chat()'s [prompt][n] Completions in the shape TRL's VLLMClient returns:
     prompt_ids per prompt; completion_ids, logprobs and logprob_token_ids per completion, prompt
     after prompt (the last two a list per token: the sampled token's)."""
-    completions = list(itertools.chain.from_iterable(results))
+    completions = sum(results, [])
     return {
         "prompt_ids": [per_prompt[0].prompt_token_ids for per_prompt in results],
         "completion_ids": [c.token_ids for c in completions],
@@ -242,21 +241,15 @@ def device_uuid(device: torch.device) -> str:
 
 
 def fingerprint(named, dtype=None) -> str:
-    """A short hash of weights [(name, tensor)]: the first and last rows of each, in `dtype`. The
-    server's of the base weights it serves and a trainer's of its model's (in the server's dtype)
-    agree when those weights do."""
+    """A short hash of weights [(name, tensor)]: the first and last rows of each, in `dtype`; of a
+    peft model's, its base weights alone (`base_layer`s, without the adapter). The server's of the
+    base weights it serves and a trainer's of its model's (in the server's dtype) agree when those
+    weights do."""
+    base = [(name.replace(".base_layer.", "."), t) for name, t in named if ".lora_" not in name]
     edges = []
-    for _, t in sorted(named, key=lambda item: item[0]):
+    for _, t in sorted(base, key=lambda item: item[0]):
         edges.append(torch.cat([t[:1].flatten(), t[-1:].flatten()]).to(dtype or t.dtype).float())
-    names = " ".join(sorted(name for name, _ in named)).encode()
-    rows = torch.cat(edges).detach().cpu().numpy().tobytes()
-    return hashlib.sha256(names + rows).hexdigest()[:16]
-
-
-def base_weights(model):
-    """A peft model's base weights, [(checkpoint name, tensor)], without its adapter."""
-    named = model.get_base_model().named_parameters()
-    return [(name.replace(".base_layer.", "."), t) for name, t in named if ".lora_" not in name]
+    return hashlib.sha256(torch.cat(edges).detach().cpu().numpy()).hexdigest()[:16]
 
 
 def pack(named, bucket_bytes, dtype=None):
@@ -379,7 +372,7 @@ class Client(AbortsOnError):
         self.spec = None
         self.dtype = None
         # what the last full push sent, {name: tensor} (update_named_param sends it again)
-        self.pushed = None
+        self.pushed = {}
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
         self.ipc_handle = None
@@ -415,12 +408,11 @@ class Client(AbortsOnError):
         `total_timeout` s (then a ConnectionError); its /health."""
         deadline = time.monotonic() + total_timeout
         while True:
-            try:
+            with contextlib.suppress(ConnectionError, ServerError):
                 return self.health()
-            except (ConnectionError, ServerError) as e:
-                if time.monotonic() + retry_interval > deadline:
-                    raise ConnectionError(f"no server up after {total_timeout} s: {e}") from None
-                time.sleep(retry_interval)
+            if time.monotonic() + retry_interval > deadline:
+                raise ConnectionError(f"no server up at {self.base_url} after {total_timeout} s")
+            time.sleep(retry_interval)
 
     def reset_prefix_cache(self) -> bool:
         """TRL's: empty the server's prefix cache; whether it was (not while requests run)."""
@@ -452,17 +444,16 @@ class Client(AbortsOnError):
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts, is_async=False, **sampling):
-        """Completions for each prompt (a string or a list of token ids): a list per prompt of
-        `n` Completion(text, token_ids, logprobs, finish_reason, version). Keyword arguments are
-        vLLM SamplingParams fields (n, temperature, max_tokens, top_p, top_k, seed, stop, ...; the
-        server's defaults are n=1, max_tokens=16 and vLLM's), `priority` (lower runs first), or
-        `min_version`. With is_async=True, return a RemoteFuture at once instead."""
+        """Completions for each prompt (a string, a list of token ids, or a conversation: a list of
+        {role, content} messages, which the server renders with the model's chat template): a list
+        per prompt of `n` Completion(text, token_ids, logprobs, finish_reason, version). Keyword
+        arguments are vLLM SamplingParams fields (n, temperature, max_tokens, top_p, top_k, seed,
+        stop, ...; the server's defaults are n=1, max_tokens=16 and vLLM's), `priority` (lower runs
+        first), or `min_version`. With is_async=True, return a RemoteFuture at once instead."""
         return self._submit("/generate", {"prompts": list(prompts), **sampling}, is_async)
 
-    def chat(self, messages, is_async=False, **sampling):
-        """TRL's: generate() for conversations, each a list of {role, content} messages, which the
-        server renders with the model's chat template."""
-        return self.generate(messages, is_async, **sampling)
+    # TRL's name for generate() on conversations
+    chat = generate
 
     def submit_each(self, prompts, **sampling):
         """generate() with one request per prompt, all in one call: a RemoteFuture per prompt, in
@@ -642,9 +633,8 @@ class Client(AbortsOnError):
 
     def update_named_param(self, name, tensor, **options):
         """TRL's: push one tensor, a new version as a full push is. The server loads whole layers,
-        so the others go along, as the last update_model_params sent them."""
-        if self.pushed is None:
-            raise RuntimeError("push the whole model once first (update_model_params)")
+        so the others go along, as the last update_model_params sent them (none before the first:
+        the server then refuses it)."""
         return self.update_model_params({**self.pushed, name: tensor}, **options)
 
     def _fill_ipc(self, buffer, bucket, tensors):
@@ -678,7 +668,7 @@ class Client(AbortsOnError):
         state = {k: t.detach().to(self.dtype) for k, t in get_peft_model_state_dict(model).items()}
         body = {"adapter_config": config, "mode": mode, "version": version}
         # the server checks that it serves the base weights the adapter was trained on
-        body["base_fingerprint"] = fingerprint(base_weights(model), self.dtype)
+        body["base_fingerprint"] = fingerprint(model.named_parameters(), self.dtype)
         if via == "file":
             # the server reads it (shared_file checks the name) while we wait
             fd, body["adapter_file"] = tempfile.mkstemp(".safetensors", "adapter-", "/dev/shm")

@@ -39,9 +39,9 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from concurrent import futures
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import torch
@@ -313,8 +313,7 @@ class Engine:
         # ids in an int32 tensor): one more than the last
         self.lora_ids += 1
         lora_id = self.lora_ids
-        folder = os.path.join(self.lora_dir.name, str(lora_id))
-        os.makedirs(folder)
+        folder = tempfile.mkdtemp(dir=self.lora_dir.name)
         Path(folder, "adapter_config.json").write_text(json.dumps(config))
         save_file(tensors, Path(folder, "adapter_model.safetensors"))
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
@@ -502,8 +501,9 @@ class WeightSyncWorker:
 
     # "ipc", "nccl" or "gloo" once the trainer set weight sync up
     transport = None
-    # the weight group (nccl, gloo)
+    # the weight group (nccl, gloo), and the one (daemon) thread that makes them (a ThreadPool)
     group = None
+    rendezvous = None
     # ipc: the last update's buckets, the trainer's buffers opened for them, and their views
     ipc_buckets = None
     ipc_buffers = []
@@ -520,12 +520,10 @@ class WeightSyncWorker:
             options = (transport, host, port, rank, world_size, weight_sync_timeout, self.device)
             # the store's connect, the group's mesh and the warm-up broadcast are each bounded by
             # the timeout (the connect to a socket that listens and never answers, as a trainer's
-            # stopped by Ctrl-Z does, not at all): on a thread, which a silent trainer holds
-            joined = futures.Future()
-            joining = threading.Thread(target=resolve, args=(joined, weight_group, *options))
-            joining.daemon = True
-            joining.start()
-            self.group = joined.result(weight_sync_timeout)
+            # stopped by Ctrl-Z does, not at all): on the rendezvous thread, which a silent
+            # trainer holds, and the next rendezvous waits until it ends
+            self.rendezvous = self.rendezvous or ThreadPool(1)
+            self.group = self.rendezvous.apply_async(weight_group, options).get(weight_sync_timeout)
         self.transport = transport
         self.weight_sync_timeout = weight_sync_timeout
 
@@ -627,14 +625,6 @@ class WeightSyncWorker:
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
-
-
-def resolve(future: futures.Future, function, *args):
-    """Resolve `future` with function(*args), or with what it raised."""
-    try:
-        future.set_result(function(*args))
-    except Exception as e:
-        future.set_exception(e)
 
 
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------

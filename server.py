@@ -29,7 +29,6 @@ import uuid
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
-import torch
 from aiohttp import web
 from huggingface_hub import snapshot_download
 from prometheus_client import Counter, Gauge, Histogram
@@ -307,9 +306,6 @@ async def health(request):
             "dtype": state.dtype,
             "transport": state.transport,
             "fingerprint": state.fingerprint,
-            "adapters": [lora.lora_name for lora in engine.loras],
-            # most sequences decoded at once
-            "max_num_seqs": engine.llm.vllm_config.scheduler_config.max_num_seqs,
             "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
@@ -689,8 +685,8 @@ async def update_adapter(request):
         check_adapter(config, adapter, state)
         # trained on other base weights (Client.update_adapter sends their fingerprint), it would
         # be served on these and trained on their samples
-        base = body.get("base_fingerprint")
-        if None not in (base, state.fingerprint) and base != state.fingerprint:
+        base = body.get("base_fingerprint", state.fingerprint)
+        if state.fingerprint and base != state.fingerprint:
             raise ValueError(f"trained on base weights {base}, not the {state.fingerprint} served")
     # binascii's, safetensors' or check_adapter's
     except Exception as e:
@@ -706,8 +702,8 @@ async def update_adapter(request):
     return web.json_response({"version": version, "read_s": read_s, "load_s": load_s})
 
 
-# the names of the files Client.update_adapter writes (mkstemp's), in /dev/shm itself
-CLIENT_FILE = re.compile(r"adapter-\w+\.safetensors")
+# the files Client.update_adapter writes (mkstemp's names), in /dev/shm itself
+CLIENT_FILE = re.compile(r"/dev/shm/adapter-\w+\.safetensors")
 
 
 def shared_file(path):
@@ -715,30 +711,21 @@ def shared_file(path):
     itself (never in the server's own adapter folders), owned by the server's user; else a
     ValueError. The one place a client may hand the server a file."""
     real = os.path.realpath(path)
-    made = os.path.dirname(real) == os.path.realpath("/dev/shm")
-    made = made and CLIENT_FILE.fullmatch(os.path.basename(real)) and os.path.isfile(real)
-    if not (made and os.stat(real).st_uid == os.getuid()):
-        raise ValueError(
-            "'adapter_file' must be a file Client.update_adapter wrote in /dev/shm "
-            f"(adapter-*.safetensors, of the server's user): {path!r}"
-        )
+    # a name of the client's that names no file: os.stat's FileNotFoundError
+    if not (CLIENT_FILE.fullmatch(real) and os.stat(real).st_uid == os.getuid()):
+        raise ValueError(f"'adapter_file' is no /dev/shm file Client.update_adapter made: {path!r}")
     return real
-
-
-# the largest LoRA scale, lora_alpha / r, that an adapter may have (PEFT's default is 1)
-MAX_LORA_SCALE = 1000
 
 
 def check_adapter(config, adapter, state):
     """A ValueError unless the `adapter`'s tensors {name: tensor} are finite, float16, bfloat16 or
     float32, each lora_A of shape (r, in) and each lora_B (out, r), as their layer's weight is
-    (out, in), and its scale a finite number within MAX_LORA_SCALE: vLLM loads these without a
-    word (a NaN poisons later requests), and checks the rest itself (Engine.update_adapter)."""
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not (json_isinstance(rank, int) and rank > 0 and json_isinstance(alpha, float)):
-        raise ValueError("'r' must be a positive integer and 'lora_alpha' a number")
-    if not abs(alpha / rank) <= MAX_LORA_SCALE:
-        raise ValueError(f"the scale lora_alpha / r must be finite, at most {MAX_LORA_SCALE}")
+    (out, in), and its scale lora_alpha / r finite and at most 1000 (PEFT's default is 1): vLLM
+    loads these without a word (a NaN poisons later requests), and checks the rest itself
+    (Engine.update_adapter). An `r` or `lora_alpha` that is no number fails the division."""
+    rank = config.get("r")
+    if not abs(config.get("lora_alpha", 8) / rank) <= 1000:
+        raise ValueError("the scale lora_alpha / r must be finite and at most 1000")
     for name, t in adapter.items():
         layer, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
         out, inputs = state.weight_spec.get(f"{layer}.weight", (None, None))
@@ -910,15 +897,13 @@ async def mcp_ctx(app):
 def checkpoint_fingerprint(model, spec, dtype) -> str | None:
     """client.fingerprint of the checkpoint the server starts on, from the rows of its safetensors
     files that it hashes (a hub model's from the local cache); None where it has no such files."""
-    folder = (
-        model if os.path.isdir(model) else snapshot_download(model, allow_patterns="*.safetensors")
-    )
+    if not os.path.isdir(model):
+        model = snapshot_download(model, allow_patterns="*.safetensors")
     named = []
-    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        # safetensors' slices: only the rows that fingerprint reads are read
         with safe_open(path, "pt") as f:
-            for name in set(f.keys()) & set(spec):
-                rows = f.get_slice(name)
-                named.append((name, torch.cat([rows[:1], rows[-1:]])))
+            named += [(name, f.get_slice(name)) for name in set(f.keys()) & set(spec)]
     return fingerprint(named, DTYPES[dtype]) if named else None
 
 
