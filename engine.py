@@ -96,11 +96,10 @@ class Engine:
         self.loras = []
         self.lora = None
         self.lora_users = collections.Counter()
-        # their folders, in shared memory where there is one; removed as the process exits
+        # their folders, in shared memory where there is one, named by our process id; removed as
+        # the process exits
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.lora_dir = tempfile.TemporaryDirectory(
-            prefix=f"async-grpo-lora-{os.getpid()}-", dir=shm
-        )
+        self.lora_dir = tempfile.TemporaryDirectory(prefix=f"async-grpo-{os.getpid()}-", dir=shm)
         self.lora_ids = 0
 
     @property

@@ -6,8 +6,9 @@
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
 routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
---enable-lora); /health and /metrics; the OpenAI-compatible /v1 routes (openai_face.py).
-docs/http.md lists every field. Every mistake of the caller is a 4xx with {"error": message}.
+--enable-lora); /health and /metrics; /reset_prefix_cache (TRL's); the OpenAI-compatible /v1
+routes (openai_face.py). docs/http.md lists every field. Every mistake of the caller is a 4xx
+with {"error": message}.
 """
 
 import argparse

@@ -30,6 +30,7 @@ ROUTES = [
     "/init_communicator",
     "/update_weights",
     "/close_communicator",
+    "/reset_prefix_cache",
 ]
 JUNK = [
     None,

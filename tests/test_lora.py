@@ -201,7 +201,7 @@ def test_an_adapter_of_a_dtype_other_than_vllms_is_a_400(lora_server, model_path
 
 def adapter_folders(server):
     """The folders of the adapters the server holds loaded."""
-    return glob.glob(f"/dev/shm/async-grpo-lora-{server.pid}-*/*")
+    return glob.glob(f"/dev/shm/async-grpo-{server.pid}-*/*")
 
 
 def test_a_full_push_leaves_no_adapter_loaded(lora_server, model_path):
