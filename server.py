@@ -514,7 +514,7 @@ async def init_communicator(request):
     except Exception as e:
         state.transport = None
         raise ApiError(
-            f"could not set up {transport} weight sync (group at {host}:{port}): {e!r}", 504
+            f"no {transport} weight sync (group at {host}:{port}) within {timeout} s: {e!r}", 504
         ) from None
     state.transport = transport
     return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
