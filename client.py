@@ -20,6 +20,7 @@ handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server
 
 import base64
 import contextlib
+import hashlib
 import importlib
 import json
 import math
@@ -59,6 +60,19 @@ class Completion:
     versions: list[list[int]] | None = None
     # the prompt's token ids, as the server tokenised it (the same in each of a prompt's n)
     prompt_token_ids: list[int] | None = None
+
+
+def trl_output(results) -> dict:
+    """generate()'s or chat()'s [prompt][n] Completions in the shape TRL's VLLMClient returns:
+    prompt_ids per prompt; completion_ids, logprobs and logprob_token_ids per completion, prompt
+    after prompt (the last two a list per token: the sampled token's)."""
+    completions = sum(results, [])
+    return {
+        "prompt_ids": [per_prompt[0].prompt_token_ids for per_prompt in results],
+        "completion_ids": [c.token_ids for c in completions],
+        "logprobs": [[[lp] for lp in c.logprobs] for c in completions],
+        "logprob_token_ids": [[[t] for t in c.token_ids] for c in completions],
+    }
 
 
 @dataclass
@@ -226,6 +240,18 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def fingerprint(named, dtype=None) -> str:
+    """A short hash of weights [(name, tensor)]: the first and last rows of each, in `dtype`; of a
+    peft model's, its base weights alone (`base_layer`s, without the adapter). The server's of the
+    base weights it serves and a trainer's of its model's (in the server's dtype) agree when those
+    weights do."""
+    base = [(name.replace(".base_layer.", "."), t) for name, t in named if ".lora_" not in name]
+    edges = []
+    for _, t in sorted(base, key=lambda item: item[0]):
+        edges.append(torch.cat([t[:1].flatten(), t[-1:].flatten()]).to(dtype or t.dtype).float())
+    return hashlib.sha256(torch.cat(edges).detach().cpu().numpy()).hexdigest()[:16]
+
+
 def pack(named, bucket_bytes, dtype=None):
     """Greedy packing in order: [(bucket announcement, [tensors])]; offsets aligned to 16 bytes.
     Each tensor is announced in `dtype` (the server's; None: its own), which fill_bucket casts
@@ -325,11 +351,14 @@ class AbortsOnError(contextlib.AbstractContextManager):
 class Client(AbortsOnError):
     """One server's client: generation, tool episodes, the trainer's side of weight sync."""
 
-    def __init__(self, base_url="http://127.0.0.1:8000", timeout=600.0, api_key=None):
-        """`api_key` (default: $VLLM_API_KEY) for a server started with --api-key. Nothing is
-        retried: a server that cannot be reached is a ConnectionError at once (a trainer waits
-        for one that restarts: train.reconnect)."""
-        self.base_url = base_url.rstrip("/")
+    def __init__(
+        self, base_url=None, timeout=600.0, api_key=None, host="127.0.0.1", server_port=8000
+    ):
+        """The server at `base_url`, or as TRL's VLLMClient, `host` and `server_port`. `api_key`
+        (default: $VLLM_API_KEY) for a server started with --api-key. Nothing is retried: a server
+        that cannot be reached is a ConnectionError at once (a trainer waits for one that
+        restarts: train.reconnect; check_server waits for one that starts)."""
+        self.base_url = (base_url or f"http://{host}:{server_port}").rstrip("/")
         self.timeout = timeout
         key = api_key or os.environ.get("VLLM_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -342,6 +371,8 @@ class Client(AbortsOnError):
         self.transport = None
         self.spec = None
         self.dtype = None
+        # what the last full push sent, {name: tensor} (update_named_param sends it again)
+        self.pushed = {}
         # two send buffers, reused between updates (ipc: the server keeps them open)
         self.buffers = [None, None]
         self.ipc_handle = None
@@ -376,6 +407,21 @@ class Client(AbortsOnError):
         """Every tool /rollout may call, as OpenAI tool schemas (a chat template's `tools`)."""
         return self._request("GET", "/tools")["tools"]
 
+    def check_server(self, total_timeout=0.0, retry_interval=2.0):
+        """TRL's: wait until the server answers /health, asking every `retry_interval` s, at most
+        `total_timeout` s (then a ConnectionError); its /health."""
+        deadline = time.monotonic() + total_timeout
+        while True:
+            with contextlib.suppress(ConnectionError, ServerError):
+                return self.health()
+            if time.monotonic() + retry_interval > deadline:
+                raise ConnectionError(f"no server up at {self.base_url} after {total_timeout} s")
+            time.sleep(retry_interval)
+
+    def reset_prefix_cache(self) -> bool:
+        """TRL's: empty the server's prefix cache; whether it was (not while requests run)."""
+        return self._request("POST", "/reset_prefix_cache")["reset"]
+
     def abort(self, request_id):
         """Cancel a submitted request on the server (its prompts stop generating) and free it,
         waiting at most 30 s (or the client's timeout, if shorter) for the answer."""
@@ -402,12 +448,16 @@ class Client(AbortsOnError):
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts, is_async=False, **sampling):
-        """Completions for each prompt (a string or a list of token ids): a list per prompt of
-        `n` Completion(text, token_ids, logprobs, finish_reason, version). Keyword arguments are
-        vLLM SamplingParams fields (n, temperature, max_tokens, top_p, top_k, seed, stop, ...; the
-        server's defaults are n=1, max_tokens=16 and vLLM's), `priority` (lower runs first), or
-        `min_version`. With is_async=True, return a RemoteFuture at once instead."""
+        """Completions for each prompt (a string, a list of token ids, or a conversation: a list of
+        {role, content} messages, which the server renders with the model's chat template): a list
+        per prompt of `n` Completion(text, token_ids, logprobs, finish_reason, version). Keyword
+        arguments are vLLM SamplingParams fields (n, temperature, max_tokens, top_p, top_k, seed,
+        stop, ...; the server's defaults are n=1, max_tokens=16 and vLLM's), `priority` (lower runs
+        first), or `min_version`. With is_async=True, return a RemoteFuture at once instead."""
         return self._submit("/generate", {"prompts": list(prompts), **sampling}, is_async)
+
+    # TRL's name for generate() on conversations
+    chat = generate
 
     def submit_each(self, prompts, **sampling):
         """generate() with one request per prompt, all in one call: a RemoteFuture per prompt, in
@@ -584,7 +634,14 @@ class Client(AbortsOnError):
                 raise
         # pack_s and send_s here, receive_s and load_s in the workers: where the time went
         self.last_update = {"pack_s": pack_s, "send_s": send_s, **result}
+        self.pushed = dict(named)
         return result["version"]
+
+    def update_named_param(self, name, tensor, **options):
+        """TRL's: push one tensor, a new version as a full push is. The server loads whole layers,
+        so the others go along, as the last update_model_params sent them (none before the first:
+        the server then refuses it)."""
+        return self.update_model_params({**self.pushed, name: tensor}, **options)
 
     def _fill_ipc(self, buffer, bucket, tensors):
         """fill_bucket for the ipc buffer: its views are made once per layout and kept, and the
@@ -616,8 +673,10 @@ class Client(AbortsOnError):
         self.dtype = self.dtype or getattr(torch, self.health()["dtype"])
         state = {k: t.detach().to(self.dtype) for k, t in get_peft_model_state_dict(model).items()}
         body = {"adapter_config": config, "mode": mode, "version": version}
+        # the server checks that it serves the base weights the adapter was trained on
+        body["base_fingerprint"] = fingerprint(model.named_parameters(), self.dtype)
         if via == "file":
-            # the server moves the file into its adapter's folder
+            # the server reads it (shared_file checks the name) while we wait
             fd, body["adapter_file"] = tempfile.mkstemp(".safetensors", "adapter-", "/dev/shm")
             os.close(fd)
             save_file(state, body["adapter_file"])
@@ -627,8 +686,7 @@ class Client(AbortsOnError):
         try:
             self.last_update = self._request("POST", "/update_adapter", body)
         finally:
-            # refused, or never sent: the file is still ours
-            if via == "file" and os.path.exists(body["adapter_file"]):
+            if via == "file":
                 os.remove(body["adapter_file"])
         self.last_update["encode_s"] = encode_s
         return self.last_update["version"]

@@ -42,10 +42,12 @@ import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
@@ -58,6 +60,7 @@ from client import (
     Episode,
     close_group,
     device_uuid,
+    fingerprint,
     open_cuda,
     unpack,
     wait_broadcast,
@@ -96,9 +99,10 @@ class Engine:
         self.loras = []
         self.lora = None
         self.lora_users = collections.Counter()
-        # their folders, in shared memory where there is one; removed as the process exits
+        # their folders, in shared memory where there is one, named by our process id; removed as
+        # the process exits
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.lora_dir = tempfile.TemporaryDirectory(prefix="async-grpo-lora-", dir=shm)
+        self.lora_dir = tempfile.TemporaryDirectory(prefix=f"async-grpo-{os.getpid()}-", dir=shm)
         self.lora_ids = 0
 
     @property
@@ -299,26 +303,24 @@ class Engine:
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             ) from None
         self.version = version
-        # new base weights: an adapter trained on the old ones no longer applies
+        # new base weights: an adapter trained on the old ones no longer applies, and none stays
+        # loaded in vLLM's slots
         self.lora = None
+        await self.remove_old_adapters(keep=0)
         self.new_version.set()
         self.new_version = asyncio.Event()
 
     async def update_adapter(self, config, tensors, mode, drain_timeout, timeout, version=0):
-        """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes or
-        a path to move it from) as the next version, or `version` if higher; returns it. A
-        ValueError or TimeoutError changes nothing (docs/internals.md#engineupdate_adapter)."""
+        """Serve a LoRA adapter (PEFT's adapter_config.json, and its tensors {name: tensor}) as the
+        next version, or `version` if higher; returns it. A ValueError or TimeoutError changes
+        nothing (docs/internals.md#engineupdate_adapter)."""
         # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
         # ids in an int32 tensor): one more than the last
         self.lora_ids += 1
         lora_id = self.lora_ids
-        folder = os.path.join(self.lora_dir.name, str(lora_id))
-        os.makedirs(folder)
+        folder = tempfile.mkdtemp(dir=self.lora_dir.name)
         Path(folder, "adapter_config.json").write_text(json.dumps(config))
-        if isinstance(tensors, bytes):
-            Path(folder, "adapter_model.safetensors").write_bytes(tensors)
-        else:
-            shutil.move(tensors, Path(folder, "adapter_model.safetensors"))
+        save_file(tensors, Path(folder, "adapter_model.safetensors"))
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)
@@ -331,15 +333,15 @@ class Engine:
         async with self.gate_closed("drain" if mode == "drain" else None, drain_timeout, timeout):
             self.lora = lora
             self.version = max(self.version + 1, version)
-            await self.remove_old_adapters()
+            await self.remove_old_adapters(keep=self.args.max_loras)
             self.new_version.set()
             self.new_version = asyncio.Event()
         return self.version
 
-    async def remove_old_adapters(self):
-        """Remove the adapters older than the newest --max-loras that no request in flight uses
-        (vLLM would read one again from its folder); one in use goes at a later update."""
-        for lora in self.loras[: -self.args.max_loras]:
+    async def remove_old_adapters(self, keep):
+        """Remove the adapters older than the newest `keep` that no request in flight uses (vLLM
+        would read one again from its folder); one in use goes at a later update."""
+        for lora in self.loras[: len(self.loras) - keep]:
             if not self.lora_users[lora]:
                 await self.llm.remove_lora(lora.lora_int_id)
                 shutil.rmtree(lora.lora_path)
@@ -500,21 +502,29 @@ class WeightSyncWorker:
 
     # "ipc", "nccl" or "gloo" once the trainer set weight sync up
     transport = None
-    # the weight group (nccl, gloo)
+    # the weight group (nccl, gloo), and the one (daemon) thread that makes them (a ThreadPool)
     group = None
+    rendezvous = None
     # ipc: the last update's buckets, the trainer's buffers opened for them, and their views
     ipc_buckets = None
     ipc_buffers = []
     ipc_received = []
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
+        """Join the trainer's weight group within one deadline, `weight_sync_timeout` s, below the
+        server's RPC timeout: a worker still in the RPC when that times out would answer the
+        engine's next step with it, and the engine core would die."""
         self.close_communicator()
         # ipc needs no group: the server checked that the trainer is on our GPU
         if transport != "ipc":
             rank = weight_rank(self.vllm_config)
-            self.group = weight_group(
-                transport, host, port, rank, world_size, weight_sync_timeout, self.device
-            )
+            options = (transport, host, port, rank, world_size, weight_sync_timeout, self.device)
+            # the store's connect, the group's mesh and the warm-up broadcast are each bounded by
+            # the timeout (the connect to a socket that listens and never answers, as a trainer's
+            # stopped by Ctrl-Z does, not at all): on the rendezvous thread, which a silent
+            # trainer holds, and the next rendezvous waits until it ends
+            self.rendezvous = self.rendezvous or ThreadPool(1)
+            self.group = self.rendezvous.apply_async(weight_group, options).get(weight_sync_timeout)
         self.transport = transport
         self.weight_sync_timeout = weight_sync_timeout
 
@@ -547,7 +557,8 @@ class WeightSyncWorker:
         except Exception as e:
             return {"load_error": f"{type(e).__name__}: {e}"}
         timings = {"receive_s": received_at - start, "load_s": time.perf_counter() - received_at}
-        return timings | loaded
+        # the weights served from now on, hashed as a trainer hashes its model's
+        return timings | loaded | {"fingerprint": fingerprint(received)}
 
     def load(self, received) -> dict:
         """Load the received [(name, tensor)] into the running model; engine.load_weights's counts

@@ -6,14 +6,16 @@
 Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id at once, and
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
 routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
---enable-lora); /health and /metrics; the OpenAI-compatible /v1 routes (openai_face.py).
-docs/http.md lists every field. Every mistake of the caller is a 4xx with {"error": message}.
+--enable-lora); /health and /metrics; /reset_prefix_cache (TRL's); the OpenAI-compatible /v1
+routes (openai_face.py). docs/http.md lists every field. Every mistake of the caller is a 4xx
+with {"error": message}.
 """
 
 import argparse
 import asyncio
 import base64
 import functools
+import glob
 import hashlib
 import hmac
 import json
@@ -30,16 +32,18 @@ from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from huggingface_hub import snapshot_download
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
 
-from client import DTYPES, TRANSPORTS, from_base64, load_function, model_error
+from client import DTYPES, TRANSPORTS, fingerprint, from_base64, load_function, model_error
 from engine import Engine, RolloutEngine, check_encodable, engine_args, openai_tool
 from local import tiny_model
 
@@ -88,6 +92,8 @@ class State:
     sessions: dict = field(default_factory=dict)
     # the weight transport set up by /init_communicator, if any
     transport: str | None = None
+    # client.fingerprint of the base weights served: the checkpoint's, then each full update's
+    fingerprint: str | None = None
     # the server then exits non-zero
     engine_died: bool = False
     # --tool-call-parser's vLLM ToolParser class, given the tokenizer: parser(tools)
@@ -206,6 +212,14 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     """The prompts and SamplingParams of a /generate or /rollout body (whose other fields are
     REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that add_request() reads."""
     check_serving(app)
+    # imported here, as make_app imports it: that module imports this one
+    from openai_face import chat_prompt
+
+    prompts = body.get("prompts")
+    # a conversation, [{role, content}, ...], rendered by the model's chat template (Client.chat)
+    for i, prompt in enumerate(prompts if isinstance(prompts, list) else []):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompts[i] = chat_prompt(app[ENGINE], {"messages": prompt})
     prompts = parse_prompts(body, app[STATE])
     params = parse_sampling(body, app[STATE], extra=(*REQUEST_FIELDS, *extra))
     checked_field(body, "priority", int, 0)
@@ -299,8 +313,7 @@ async def health(request):
             "gpus": state.gpus,
             "dtype": state.dtype,
             "transport": state.transport,
-            # most sequences decoded at once
-            "max_num_seqs": engine.llm.vllm_config.scheduler_config.max_num_seqs,
+            "fingerprint": state.fingerprint,
             "max_model_len": state.flags.max_model_len,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
@@ -510,9 +523,11 @@ async def init_communicator(request):
         await request.app[ENGINE].rpc(
             "init_communicator", transport, host, port, world_size, timeout, timeout=timeout + 10
         )
+    # the workers left any group they were in: no update until an init succeeds
     except Exception as e:
+        state.transport = None
         raise ApiError(
-            f"could not set up {transport} weight sync (group at {host}:{port}): {e!r}", 504
+            f"no {transport} weight sync (group at {host}:{port}) within {timeout} s: {e!r}", 504
         ) from None
     state.transport = transport
     return web.json_response({"dtype": state.dtype, "params": state.weight_spec})
@@ -662,6 +677,7 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
         error = f"weight update failed, version {engine.version} kept: {e!r}"
         return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
+    app[STATE].fingerprint = timings["fingerprint"]
     return {"version": version, **timings}
 
 
@@ -675,15 +691,17 @@ async def update_adapter(request):
     refused = f"adapter refused, version {request.app[ENGINE].version} kept"
     start = time.perf_counter()
     try:
-        # the adapter's safetensors file: a path in /dev/shm on this host (the server takes the
-        # file over), or its bytes in the body
+        # the adapter's safetensors file: a path in /dev/shm on this host, or its bytes in the body
         if "adapter_file" in body:
-            tensors = shared_file(checked_field(body, "adapter_file", str))
-            shapes = safetensors_shapes(tensors)
+            adapter = load_file(shared_file(checked_field(body, "adapter_file", str)))
         else:
-            tensors = from_base64(checked_field(body, "adapter_model", str))
-            shapes = {name: t.shape for name, t in load_safetensors(tensors).items()}
-        check_adapter(config, shapes, state)
+            adapter = load_safetensors(from_base64(checked_field(body, "adapter_model", str)))
+        check_adapter(config, adapter, state)
+        # trained on other base weights (Client.update_adapter sends their fingerprint), it would
+        # be served on these and trained on their samples
+        base = body.get("base_fingerprint", state.fingerprint)
+        if state.fingerprint and base != state.fingerprint:
+            raise ValueError(f"trained on base weights {base}, not the {state.fingerprint} served")
     # binascii's, safetensors' or check_adapter's
     except Exception as e:
         raise ApiError(f"{refused}: {e}") from None
@@ -691,44 +709,53 @@ async def update_adapter(request):
     # the drain's and the load's
     limits = state.flags.drain_timeout, state.flags.weight_sync_timeout
     try:
-        version = await request.app[ENGINE].update_adapter(config, tensors, mode, *limits, version)
+        version = await request.app[ENGINE].update_adapter(config, adapter, mode, *limits, version)
     except (TimeoutError, ValueError) as e:
         raise ApiError(f"{refused}: {e}", 503 if isinstance(e, TimeoutError) else 400) from None
     load_s = time.perf_counter() - start - read_s
     return web.json_response({"version": version, "read_s": read_s, "load_s": load_s})
 
 
+# the files Client.update_adapter writes (mkstemp's names), in /dev/shm itself
+CLIENT_FILE = re.compile(r"/dev/shm/adapter-\w+\.safetensors")
+
+
 def shared_file(path):
-    """`path` if it is a .safetensors file in /dev/shm, else a ValueError: the one place a
-    client may hand the server a file."""
+    """`path` if it is a file of Client.update_adapter's: named as it names them, in /dev/shm
+    itself (never in the server's own adapter folders), owned by the server's user; else a
+    ValueError. The one place a client may hand the server a file."""
     real = os.path.realpath(path)
-    if not (
-        real.startswith("/dev/shm/") and real.endswith(".safetensors") and os.path.isfile(real)
-    ):
-        raise ValueError(f"'adapter_file' must be a .safetensors file in /dev/shm here: {path!r}")
+    # a name of the client's that names no file: os.stat's FileNotFoundError
+    if not (CLIENT_FILE.fullmatch(real) and os.stat(real).st_uid == os.getuid()):
+        raise ValueError(f"'adapter_file' is no /dev/shm file Client.update_adapter made: {path!r}")
     return real
 
 
-def safetensors_shapes(path):
-    """{name: shape} of a safetensors file, read from its header alone."""
-    with safe_open(path, "pt") as f:
-        # a safe_open object is no mapping: keys() is its list of names
-        names = f.keys()
-        return {name: f.get_slice(name).get_shape() for name in names}
-
-
-def check_adapter(config, shapes, state):
-    """A ValueError unless each lora_A of the adapter is of shape (r, in) and each lora_B (out, r),
-    as their layer's weight is (out, in): vLLM loads wrong shapes without a word, and checks the
-    rest itself (Engine.update_adapter)."""
+def check_adapter(config, adapter, state):
+    """A ValueError unless the `adapter`'s tensors {name: tensor} are finite, float16, bfloat16 or
+    float32, each lora_A of shape (r, in) and each lora_B (out, r), as their layer's weight is
+    (out, in), and its scale lora_alpha / r finite and at most 1000 (PEFT's default is 1): vLLM
+    loads these without a word (a NaN poisons later requests), and checks the rest itself
+    (Engine.update_adapter). An `r` or `lora_alpha` that is no number fails the division."""
     rank = config.get("r")
-    for name, shape in shapes.items():
+    if not abs(config.get("lora_alpha", 8) / rank) <= 1000:
+        raise ValueError("the scale lora_alpha / r must be finite and at most 1000")
+    for name, t in adapter.items():
         layer, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
         out, inputs = state.weight_spec.get(f"{layer}.weight", (None, None))
         # another kind (lora_embedding_A, ...): vLLM refuses what it does not take
-        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(kind, list(shape))
-        if list(shape) != expected:
-            raise ValueError(f"'{name}' has shape {list(shape)}; the model takes {expected}")
+        expected = {"A.weight": [rank, inputs], "B.weight": [out, rank]}.get(kind, list(t.shape))
+        if list(t.shape) != expected:
+            raise ValueError(f"'{name}' has shape {list(t.shape)}; the model takes {expected}")
+        if t.dtype not in DTYPES.values() or not t.isfinite().all():
+            raise ValueError(f"'{name}' must be finite float16, bfloat16 or float32: {t.dtype}")
+
+
+async def reset_prefix_cache(request):
+    """Empty vLLM's prefix cache, as TRL's server does; {"reset": false} while requests hold some
+    of it. (Each weight version caches its prefixes apart anyway: Engine._one.)"""
+    reset = await asyncio.wait_for(request.app[ENGINE].llm.reset_prefix_cache(), 60)
+    return web.json_response({"reset": reset})
 
 
 async def close_communicator(request):
@@ -934,6 +961,19 @@ async def mcp_ctx(app):
         await server.stop()
 
 
+def checkpoint_fingerprint(model, spec, dtype) -> str | None:
+    """client.fingerprint of the checkpoint the server starts on, from the rows of its safetensors
+    files that it hashes (a hub model's from the local cache); None where it has no such files."""
+    if not os.path.isdir(model):
+        model = snapshot_download(model, allow_patterns="*.safetensors")
+    named = []
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        # safetensors' slices: only the rows that fingerprint reads are read
+        with safe_open(path, "pt") as f:
+            named += [(name, f.get_slice(name)) for name in set(f.keys()) & set(spec)]
+    return fingerprint(named, DTYPES[dtype]) if named else None
+
+
 def make_app(args, flags) -> web.Application:
     """The server for AsyncEngineArgs `args` and the server's `flags` (parse_args): the engine
     starts with the app and stops with it."""
@@ -960,6 +1000,7 @@ def make_app(args, flags) -> web.Application:
         state.dtype = str(engine.llm.model_config.dtype).removeprefix("torch.")
         state.workers = args.tensor_parallel_size * args.data_parallel_size
         state.weight_spec = (await engine.rpc("weight_spec"))[0]
+        state.fingerprint = checkpoint_fingerprint(args.model, state.weight_spec, state.dtype)
         # the workers' GPU UUIDs (None on CPU)
         state.gpus = await engine.rpc("gpu_uuid")
         mcp_tools, mcp_schemas, _ = app[MCP]
@@ -995,6 +1036,7 @@ ROUTES = [
     web.post("/update_weights", update_weights),
     web.post("/close_communicator", close_communicator),
     web.post("/update_adapter", update_adapter),
+    web.post("/reset_prefix_cache", reset_prefix_cache),
     web.get("/metrics", make_aiohttp_handler()),
 ]
 

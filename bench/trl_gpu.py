@@ -286,7 +286,7 @@ def run_ours(a, model, data):
         proc, client = None, Client(a.server_url)
     else:
         proc, client = launch_server(*flags, log_path=log, timeout=300)
-        print(f"server.py {' '.join(flags)}; decodes {client.health()['max_num_seqs']} at once")
+        print(f"server.py {' '.join(flags)}")
     try:
         for name, overrides in ours_variants(a).items():
             # the packed variants: train.token_logprobs is bench/packing.py's while they train

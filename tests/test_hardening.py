@@ -30,6 +30,7 @@ ROUTES = [
     "/init_communicator",
     "/update_weights",
     "/close_communicator",
+    "/reset_prefix_cache",
 ]
 JUNK = [
     None,
@@ -452,6 +453,8 @@ def strict(model_path, tmp_path_factory):
         "500",
         "--max-session-age",
         "5",
+        "--weight-sync-timeout",
+        "3",
         *GPU_FLAGS,
         api_key="secret",
         log_path=log,
@@ -704,6 +707,25 @@ def test_a_full_table_refuses_new_work_but_never_an_update(strict, model_path):
     for f in held:
         f.abort()
     client.close_communicator()
+
+
+def test_a_trainer_silent_at_the_weight_groups_rendezvous_leaves_the_engine_serving(strict):
+    """A caller asks the workers to join its weight group, then never answers there: its store's
+    socket listens, as a trainer's stopped by Ctrl-Z. The workers give up within the server's
+    --weight-sync-timeout (3 s), before its RPC does, and the engine serves on."""
+    _, client, _ = strict
+    port = client.health()["group_port"]
+    with socket.create_server(("127.0.0.1", port)):
+        body = {"transport": "gloo", "host": "127.0.0.1", "world_size": 2}
+        with pytest.raises(ServerError) as refused:
+            client._request("POST", "/init_communicator", body, timeout=60)
+        assert refused.value.status == 504
+        [[c]] = client.generate(["still serving"], max_tokens=2, is_async=True).result(60)
+        assert c.finish_reason == "length"
+    # the silent trainer gone, a trainer that answers sets weight sync up
+    client.init_communicator(transport="gloo")
+    client.close_communicator()
+    assert client.health()["status"] == "ok"
 
 
 def test_a_dead_engine_is_reported_and_the_server_exits_non_zero(strict):

@@ -6,19 +6,24 @@ serves no adapters, and a server takes its LoRA flags at start only.
 Run: .venv/bin/python -m pytest tests/test_lora.py
 """
 
+import glob
 import json
 import os
+import shutil
 import time
+import uuid
 
 import pytest
 import requests
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 import train
-from client import ServerError, to_base64
+from client import ServerError, fingerprint, to_base64
 from conftest import GPU_FLAGS, start_server, stop_in_background
+from local import tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "12+34="
@@ -36,6 +41,8 @@ def lora_server(tmp_path_factory):
         log_path=tmp_path_factory.mktemp("lora") / "server.log",
     )
     proc, client = start.result()
+    # its adapters' folders are named by its process id
+    client.pid = proc.pid
     yield client
     stop_in_background(proc)
 
@@ -118,9 +125,13 @@ def test_a_request_in_flight_keeps_its_adapter_through_an_in_flight_push(lora_se
 
 def tamper(model, kind):
     """A peft model made wrong in one way, or a raw body that is."""
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
     if kind == "shape":
-        layer = model.base_model.model.model.layers[0].self_attn.q_proj
         layer.lora_A["default"].weight = torch.nn.Parameter(torch.zeros(8, 64))
+    if kind == "nan":
+        layer.lora_B["default"].weight.data[0, 0] = float("nan")
+    if kind == "scale":
+        model.peft_config["default"].lora_alpha = 1e9
     return model
 
 
@@ -131,6 +142,8 @@ def tamper(model, kind):
         (16, TARGETS, "", "max_lora_rank 8"),
         (8, ["q_proj", "embed_tokens"], "", "target modules"),
         (8, TARGETS, "shape", "shape [8, 64]"),
+        (8, TARGETS, "nan", "finite"),
+        (8, TARGETS, "scale", "lora_alpha / r"),
     ],
 )
 def test_a_wrong_adapter_is_refused_with_a_400_and_changes_nothing(
@@ -168,6 +181,61 @@ def test_an_adapter_file_outside_shared_memory_is_a_400(lora_server, path):
     answer = requests.post(lora_server.base_url + "/update_adapter", json=body, timeout=30)
     assert answer.status_code == 400 and "/dev/shm" in answer.json()["error"]
     assert os.path.exists("/etc/hostname")
+
+
+def adapter_body(model, dtype=torch.float32):
+    """/update_adapter's body for a peft model's adapter, its tensors in `dtype`."""
+    config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
+    state = {k: t.detach().to(dtype) for k, t in get_peft_model_state_dict(model).items()}
+    return {"adapter_config": config, "adapter_model": to_base64(save(state))}
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64])
+def test_an_adapter_of_a_dtype_other_than_vllms_is_a_400(lora_server, model_path, dtype):
+    before = lora_server.health()["version"]
+    body = adapter_body(peft_model(model_path, seed=7), dtype)
+    answer = requests.post(lora_server.base_url + "/update_adapter", json=body, timeout=60)
+    assert answer.status_code == 400 and str(dtype) in answer.json()["error"]
+    assert lora_server.health()["version"] == before
+
+
+def adapter_folders(server):
+    """The folders of the adapters the server holds loaded."""
+    return glob.glob(f"/dev/shm/async-grpo-{server.pid}-*/*")
+
+
+def test_a_full_push_leaves_no_adapter_loaded(lora_server, model_path):
+    lora_server.update_model_params(peft_model(model_path, seed=8))
+    assert adapter_folders(lora_server)
+    lora_server.init_communicator()
+    try:
+        lora_server.update_model_params(AutoModelForCausalLM.from_pretrained(model_path))
+    finally:
+        lora_server.close_communicator()
+    assert adapter_folders(lora_server) == []
+
+
+@pytest.mark.parametrize("made", ["the server's own", "another name", "another user's"])
+def test_an_adapter_file_the_client_did_not_make_is_a_400_and_stays(lora_server, model_path, made):
+    if made == "another user's" and os.getuid() != 0:
+        pytest.skip("only root may give a file to another user")
+    model = peft_model(model_path, seed=9)
+    lora_server.update_adapter(model)
+    served = os.path.join(adapter_folders(lora_server)[-1], "adapter_model.safetensors")
+    path = served
+    if made != "the server's own":
+        name = "adapter" if made == "another user's" else "mine"
+        path = shutil.copy(served, f"/dev/shm/{name}-{uuid.uuid4().hex}.safetensors")
+    if made == "another user's":
+        os.chown(path, 65534, 65534)
+    body = {"adapter_config": adapter_body(model)["adapter_config"], "adapter_file": path}
+    try:
+        answer = requests.post(lora_server.base_url + "/update_adapter", json=body, timeout=60)
+        assert answer.status_code == 400 and "adapter_file" in answer.json()["error"]
+        assert os.path.exists(path)
+    finally:
+        if path != served and os.path.exists(path):
+            os.remove(path)
 
 
 def test_an_adapter_body_that_is_no_safetensors_file_is_a_400(lora_server):
@@ -239,6 +307,37 @@ def test_train_with_lora_trains_the_adapter_pushes_it_and_resumes(
     history = train.train(resumed, lora_server)
     assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
     assert all(h["mismatch_max"] < 1e-4 for h in history[3:])
+
+
+def test_a_lora_run_on_another_base_than_the_servers_is_refused_with_both_fingerprints(
+    lora_server, model_path, tmp_path
+):
+    other = tiny_model(str(tmp_path / "other"), seed=1)
+    ours = fingerprint(peft_model(other, seed=0).named_parameters(), torch.float32)
+    with pytest.raises(ServerError) as refused:
+        train.train(lora_run(other, tmp_path / "run"), lora_server)
+    served = lora_server.health()["fingerprint"]
+    assert refused.value.status == 400 and served != ours
+    assert served in refused.value.message and ours in refused.value.message
+
+
+def test_the_servers_fingerprint_is_a_trainers_of_the_same_base_and_follows_full_pushes(
+    lora_server, model_path, tmp_path
+):
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    other = tiny_model(str(tmp_path / "other"), seed=1)
+    other = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    prints = []
+    lora_server.init_communicator()
+    try:
+        for model in (other, base):
+            prints.append(lora_server.health()["fingerprint"])
+            lora_server.update_model_params(model)
+    finally:
+        lora_server.close_communicator()
+    prints.append(lora_server.health()["fingerprint"])
+    ours = [fingerprint(list(m.named_parameters()), torch.float32) for m in (base, other, base)]
+    assert prints == ours
 
 
 def test_the_server_train_py_starts_for_a_lora_run_serves_adapters(model_path, monkeypatch):
