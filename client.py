@@ -795,10 +795,8 @@ class Router(AbortsOnError):
         for i in range(len(prompts)):
             placed.setdefault(self.least_loaded(placed), []).append(i)
         futures = {}
-        for client, indices in placed.items():
-            futures.update(
-                zip(indices, client.submit_each([prompts[i] for i in indices], **sampling))
-            )
+        for client, mine in placed.items():
+            futures.update(zip(mine, client.submit_each([prompts[i] for i in mine], **sampling)))
         return [futures[i] for i in range(len(prompts))]
 
     def generate(self, prompts, is_async=False, **sampling):

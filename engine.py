@@ -197,9 +197,7 @@ class Engine:
 
     async def _one(self, prompt, params, priority, version, request_id, lora=None):
         """One prompt's request to vLLM, admitted at weights `version`: its finished output."""
-        prompt = (
-            {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else {"prompt": prompt}
-        )
+        prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
         # vLLM's prefix cache keyed by weight version: no request reuses the KV of other weights
         prompt["cache_salt"] = str(version)
         # FINAL_ONLY: the one output is the finished request with all n completions

@@ -405,10 +405,8 @@ async def rollout_route(request):
     if not call_start or not call_end or "{}" not in result_format:
         raise ApiError("'call_start', 'call_end' must be non-empty, 'result_format' hold {}")
     nbytes = await check_room(request)
-    episode_options = (max_turns, budget, tools, call_start, call_end, result_format)
-    request_id = add_request(
-        app, body, run_rollout, prompts, params, *episode_options, nbytes=nbytes
-    )
+    options = (max_turns, budget, tools, call_start, call_end, result_format)
+    request_id = add_request(app, body, run_rollout, prompts, params, *options, nbytes=nbytes)
     return web.json_response({"request_id": request_id}, status=202)
 
 
@@ -500,9 +498,7 @@ async def init_communicator(request):
     if transport not in TRANSPORTS:
         raise ApiError(f"'transport' must be one of {list(TRANSPORTS)}")
     if transport != "gloo" and not any(state.gpus):
-        raise ApiError(
-            f"transport {transport} needs a server on GPUs; this one runs on the CPU: use gloo"
-        )
+        raise ApiError(f"transport {transport} needs a server on GPUs, not the CPU: use gloo")
     if transport == "ipc" and (body.get("gpu") not in state.gpus or state.workers != 1):
         raise ApiError(
             f"ipc needs the trainer on the GPU of a one-GPU server; "
@@ -634,9 +630,7 @@ async def update_weights(request):
     await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
     # failed before the workers were told to receive: nothing was sent or changed
     if not ready.done():
-        raise ApiError(
-            f"weight update refused, version {engine.version} kept: {task.exception()}", 503
-        )
+        raise ApiError(f"update refused, version {engine.version} kept: {task.exception()}", 503)
     answer = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await answer.prepare(request)
     await answer.write(b'{"receiving": true}\n')
@@ -1085,12 +1079,7 @@ def add_limit_flags(g):
     g.add_argument("--max-pending-mb", type=int, default=1024, help="most MiB of bodies held")
     g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a result is kept")
     # a trainer's queued steps wait unfetched while it trains: theirs is a bound for a dead trainer
-    g.add_argument(
-        "--kept-result-ttl",
-        type=float,
-        default=3600.0,
-        help="s a keep_result waits, nobody polling",
-    )
+    g.add_argument("--kept-result-ttl", type=float, default=3600.0, help="s, nobody polling")
     # a request with a min_version that no push brings fails after it (a 422 from /get_future)
     g.add_argument("--min-version-timeout", type=float, default=600.0, help="seconds it may wait")
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
@@ -1138,11 +1127,7 @@ def add_tool_flags(g):
     # /v1/chat/completions with `tools`: the model's tool calls come back as `tool_calls`. As in
     # vllm serve, where it goes with --enable-auto-tool-choice (implied here). /rollout reads
     # calls in the family's format too, between the parser's own tags
-    g.add_argument(
-        "--tool-call-parser",
-        choices=ToolParserManager.list_registered(),
-        help="vLLM's, e.g. hermes",
-    )
+    g.add_argument("--tool-call-parser", choices=ToolParserManager.list_registered(), help="vLLM's")
     # an MCP server's tools, called with JSON arguments (repeatable): a command line, started and
     # stopped with this server (stdio), or the URL of one that runs (streamable HTTP)
     g.add_argument(

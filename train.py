@@ -1194,9 +1194,7 @@ def load_data(cfg):
     prompts = {json.dumps(r["prompt"]) for r in held_out}
     data = [r for r in data if json.dumps(r["prompt"]) not in prompts]
     if not data and not cfg.eval_only:
-        raise ValueError(
-            f"holding out {len(held_out)} prompts leaves no training data: lower --eval-prompts"
-        )
+        raise ValueError(f"no training data after {len(held_out)} held out: lower --eval-prompts")
     return data, held_out
 
 
