@@ -89,3 +89,28 @@ def test_the_readme_resume_example_goes_on_with_the_runs_settings(
     assert "--steps 3 from here on (the run's: 2)" in runs[1].stderr
     metrics = [json.loads(line) for line in open(tmp_path / "runs" / "mine" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [0, 1, 2]
+
+
+def test_the_readme_run_yaml_trains_on_conversational_rows_with_two_rewards(
+    server, model_path, tmp_path, restore_weights
+):
+    """examples/run.yaml, the README's GPU setup, with what this machine lacks given again on the
+    command line (the flags win): the built-in model with a chat template, a local GSM8K-style
+    file, the session server. Its conversations are rendered, both rewards are logged apart."""
+    rows = [{"question": f"{a}+{a}=", "answer": f"{a} and {a}\n#### {2 * a}"} for a in range(12)]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--config", os.path.join(ROOT, "examples", "run.yaml"), "--model", model_path]
+    flags += ["--chat-template", os.path.join(ROOT, "tests", "chat_template.jinja")]
+    flags += ["--dataset", "gsm8k.jsonl", "--server-url", server.base_url, "--dtype", "float32"]
+    flags += ["--device", "cpu", "--no-bf16", "--steps", "3", "--max-tokens", "8", "--lr", "1e-5"]
+    flags += ["--prompts-per-step", "4", "--group-size", "2", "--eval-every", "2"]
+    flags += ["--eval-prompts", "2", "--eval-n", "2", "--out", "gsm8k"]
+    command = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "gsm8k" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all("reward/gsm8k_reward" in m and "reward/format_reward" in m for m in metrics)
+    # the prompt as the model saw it: the system prompt first, the question the user's message
+    sample = json.loads(open(tmp_path / "gsm8k" / "eval_samples.jsonl").readline())
+    assert "Think inside <think></think>" in sample["prompt"] and "0+0=" in sample["prompt"]
