@@ -472,9 +472,8 @@ class Client(AbortsOnError):
         max_turns (4), max_episode_tokens (256), call_start, call_end, result_format, and
         generate's sampling fields (max_tokens 64 here, a turn's);
         docs/http.md#multi-turn-tool-episodes."""
-        return self._submit(
-            "/rollout", {"prompts": list(prompts), "max_tokens": 64, **options}, is_async
-        )
+        body = {"prompts": list(prompts), "max_tokens": 64, **options}
+        return self._submit("/rollout", body, is_async)
 
     def session(self, session_id):
         """The calls an OpenAI client made with the header X-Session-ID: `session_id`: (calls, the

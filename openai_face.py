@@ -228,9 +228,7 @@ def openai_logprobs(engine, completion, chat) -> dict:
     alternatives = completion.top_logprobs or [[] for _ in tokens]
     if chat:
         content = zip(tokens, completion.logprobs, alternatives)
-        return {
-            "content": [{"token": t, "logprob": lp, "top_logprobs": alt} for t, lp, alt in content]
-        }
+        return {"content": [{"token": t, "logprob": lp, "top_logprobs": a} for t, lp, a in content]}
     return {
         "tokens": tokens,
         "token_logprobs": completion.logprobs,

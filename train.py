@@ -177,6 +177,13 @@ class Config:
         if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device} under torchrun: use cuda or cpu")
         Rewards(self)
+        # a server train.py starts serves calc and --server-args' --tool NAME=...: another name is
+        # refused now, not after the warm start (MCP tools, --mcp's and the power task's, are
+        # checked once the server answers: connect)
+        served = {"calc", *re.findall(r"--tool[ =]([^=\s]+)=", self.server_args)}
+        unknown = sorted(set(self.tools.split(",") if self.tools else []) - served)
+        if unknown and not (self.server_url or "--mcp" in self.server_args or self.task == "power"):
+            raise ValueError(f"--tools: a server started here has no tool {', '.join(unknown)}")
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
