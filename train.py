@@ -207,9 +207,8 @@ def parse_config(argv=None) -> Config:
         if f.name == "reward":
             options["action"] = "append"
         # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
-        parser.add_argument(
-            as_flag(f.name), default=argparse.SUPPRESS, help=f.metadata["help"], **options
-        )
+        options |= {"default": argparse.SUPPRESS, "help": f.metadata["help"]}
+        parser.add_argument(as_flag(f.name), **options)
     try:
         given = parse_flags(parser, argv)
         if "config" in given:
@@ -1545,23 +1544,23 @@ def main(argv=None):
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
         if dist.get_rank() > 0:
             return follow()
-    # a running server first: one that lacks a tool of --tools refuses the run before the warm start
-    client = connect(cfg, cfg.server_url.split(",")) if cfg.server_url else None
     # before anything else: every row of the data is checked, a file that is not there said
     try:
         data = load_data(cfg)
+        # a run is never overwritten
+        if not (cfg.eval_only or cfg.resume) and os.path.exists(Path(cfg.out, "metrics.jsonl")):
+            raise ValueError(f"{cfg.out} holds a run: continue it with --resume, or another --out")
+        # a conversational row without a chat template is refused now, before any server starts
+        check_template(cfg, data)
+        # a running server next: one that lacks a tool of --tools refuses before the warm start
+        client = connect(cfg, cfg.server_url.split(",")) if cfg.server_url else None
         # without --model, --eval-only --server-url evaluates the weights that server holds
         if not cfg.model and not (cfg.eval_only and cfg.server_url):
             cfg.model = builtin_model(cfg)
-        # a conversational row without a chat template is refused now, before any server starts
-        for row in data[0][:1] + data[1][:1]:
-            rendered_prompt(row, cfg)
+            check_template(cfg, data)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(json.dumps(asdict(cfg)))
-    # before any server starts: a run is never overwritten
-    if not (cfg.eval_only or cfg.resume) and os.path.exists(os.path.join(cfg.out, "metrics.jsonl")):
-        sys.exit(f"{cfg.out} holds a run: continue it with --resume, or choose another --out")
     os.makedirs(cfg.out, exist_ok=True)
     servers = []  # (process, Client) of each server started here, added as it comes up
     try:
@@ -1575,6 +1574,13 @@ def main(argv=None):
     finally:
         for proc, _ in servers:
             stop_server(proc)
+
+
+def check_template(cfg, data):
+    """A ValueError naming --chat-template if --model's tokenizer cannot render the first training
+    and held-out rows (a conversational row, no chat template); nothing until --model is known."""
+    for row in data[0][:1] + data[1][:1] if cfg.model else []:
+        rendered_prompt(row, cfg)
 
 
 def connect(cfg, urls) -> Client:

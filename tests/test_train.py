@@ -1261,7 +1261,9 @@ def test_conversational_rows_are_sampled_after_exactly_the_chat_templates_tokens
 ):
     rows = chat_rows(3)
     cfg = tiny_run(model_path, tmp_path, chat_template=CHAT_TEMPLATE)
-    samples = train.collect_each(train.submit_rollouts(server, rows, cfg))
+    samples = train.collect_each(
+        train.submit_rollouts(server, rows, cfg, server.health()["version"])
+    )
     tok = AutoTokenizer.from_pretrained(model_path)
     for row, group in zip(rows, samples):
         ids = tok.encode(rendered(model_path, row["prompt"]), add_special_tokens=False)
