@@ -1037,10 +1037,8 @@ def warn_first_step(row, cfg):
             file=sys.stderr,
         )
     if row["step"] == 0 and row["truncated"] == 1:
-        print(
-            f"\nWARNING: every completion of step 0 hit --max-tokens {cfg.max_tokens}: raise it\n",
-            file=sys.stderr,
-        )
+        warning = f"every completion of step 0 hit --max-tokens {cfg.max_tokens}: raise it"
+        print(f"\nWARNING: {warning}\n", file=sys.stderr)
 
 
 def show_progress(bar, row):

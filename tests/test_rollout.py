@@ -521,7 +521,7 @@ CALLS += [("add", '{"a": 1, "b": 1}'), ("dies", "")]
 
 
 def test_train_refuses_tools_the_server_lacks_before_the_first_step(client):
-    cfg = train.Config(tools="plus,nosuch")
+    cfg = train.Config(tools="plus,nosuch", server_url=client.base_url)
     with pytest.raises(SystemExit) as e:
         train.connect(cfg, [client.base_url])
     assert "nosuch" in str(e.value) and "\n" not in str(e.value)

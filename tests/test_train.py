@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest tests/test_train.py
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import importlib
 import importlib.util
 import json
@@ -1174,7 +1175,12 @@ def test_a_run_stopped_by_ctrl_c_says_in_one_line_where_it_goes_on_and_goes_on_t
     stderr = tmp_path / "stderr.txt"
     with open(stderr, "w") as err:
         command = [sys.executable, os.path.join(root, "train.py"), *flags, "--group-size", "2"]
-        run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=root)
+        # an xdist worker ignores SIGINT, and a child that starts with it ignored keeps it so
+        # (Python then installs no KeyboardInterrupt): the child's is the default, as in a shell
+        default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+        run = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=err, cwd=root, preexec_fn=default
+        )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
