@@ -177,13 +177,6 @@ class Config:
         if "LOCAL_RANK" in os.environ and self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device} under torchrun: use cuda or cpu")
         Rewards(self)
-        # a server train.py starts serves calc and --server-args' --tool NAME=...: another name is
-        # refused now, not after the warm start (MCP tools, --mcp's and the power task's, are
-        # checked once the server answers: connect)
-        served = {"calc", *re.findall(r"--tool[ =]([^=\s]+)=", self.server_args)}
-        unknown = sorted(set(self.tools.split(",") if self.tools else []) - served)
-        if unknown and not (self.server_url or "--mcp" in self.server_args or self.task == "power"):
-            raise ValueError(f"--tools: a server started here has no tool {', '.join(unknown)}")
         if self.resume:
             self.out = self.resume
             self.model = os.path.dirname(state_path(self.resume))
@@ -1542,6 +1535,12 @@ def main(argv=None):
         dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
         if dist.get_rank() > 0:
             return follow()
+    # a server started here serves calc and --server-args' --tool NAME=...: another tool is refused
+    # now, not after the warm start (MCP tools, --mcp's and the power task's, once it answers)
+    served = {"calc", *re.findall(r"--tool[ =]([^=\s]+)=", cfg.server_args)}
+    unknown = sorted(set(episode_tools(cfg)) - served)
+    if unknown and not (cfg.server_url or "--mcp" in cfg.server_args or cfg.task == "power"):
+        sys.exit(f"error: --tools: a server started here has no tool {', '.join(unknown)}")
     # before anything else: every row of the data is checked, a file that is not there said
     try:
         data = load_data(cfg)
