@@ -47,7 +47,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
@@ -308,17 +307,17 @@ class Engine:
         self.new_version.set()
         self.new_version = asyncio.Event()
 
-    async def update_adapter(self, config, tensors, mode, drain_timeout, timeout, version=0):
-        """Serve a LoRA adapter (PEFT's adapter_config.json, and its tensors {name: tensor}) as the
-        next version, or `version` if higher; returns it. A ValueError or TimeoutError changes
-        nothing (docs/internals.md#engineupdate_adapter)."""
+    async def update_adapter(self, config, data, mode, drain_timeout, timeout, version=0):
+        """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes,
+        `data`) as the next version, or `version` if higher; returns it. A ValueError or
+        TimeoutError changes nothing (docs/internals.md#engineupdate_adapter)."""
         # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
         # ids in an int32 tensor): one more than the last
         self.lora_ids += 1
         lora_id = self.lora_ids
         folder = tempfile.mkdtemp(dir=self.lora_dir.name)
         Path(folder, "adapter_config.json").write_text(json.dumps(config))
-        save_file(tensors, Path(folder, "adapter_model.safetensors"))
+        Path(folder, "adapter_model.safetensors").write_bytes(data)
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)

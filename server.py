@@ -30,6 +30,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 from huggingface_hub import snapshot_download
@@ -37,7 +38,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import load_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -687,10 +687,11 @@ async def update_adapter(request):
     try:
         # the adapter's safetensors file: a path in /dev/shm on this host, or its bytes in the body
         if "adapter_file" in body:
-            adapter = load_file(shared_file(checked_field(body, "adapter_file", str)))
+            data = Path(shared_file(checked_field(body, "adapter_file", str))).read_bytes()
         else:
-            adapter = load_safetensors(from_base64(checked_field(body, "adapter_model", str)))
-        check_adapter(config, adapter, state)
+            data = from_base64(checked_field(body, "adapter_model", str))
+        # decoded to be checked; the engine writes these bytes as they came
+        check_adapter(config, load_safetensors(data), state)
         # trained on other base weights (Client.update_adapter sends their fingerprint), it would
         # be served on these and trained on their samples
         base = body.get("base_fingerprint", state.fingerprint)
@@ -703,7 +704,7 @@ async def update_adapter(request):
     # the drain's and the load's
     limits = state.flags.drain_timeout, state.flags.weight_sync_timeout
     try:
-        version = await request.app[ENGINE].update_adapter(config, adapter, mode, *limits, version)
+        version = await request.app[ENGINE].update_adapter(config, data, mode, *limits, version)
     except (TimeoutError, ValueError) as e:
         raise ApiError(f"{refused}: {e}", 503 if isinstance(e, TimeoutError) else 400) from None
     load_s = time.perf_counter() - start - read_s
