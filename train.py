@@ -549,7 +549,9 @@ def submit_prompts(client, rows, cfg, **sampling):
     """Each row's prompt its own request: completions, or with episode_tools multi-turn tool
     episodes. Their RemoteFutures, in the rows' order."""
     tools = episode_tools(cfg)
-    schemas = chat_tools(client, tools)
+    # rendered by the chat template (rendered_prompt), with the tools' schemas from the server
+    chat = cfg.system_prompt or any(isinstance(row["prompt"], list) for row in rows)
+    schemas = chat_tools(client, tools) if chat else None
     prompts = [rendered_prompt(row, cfg, schemas, tokenize=True) for row in rows]
     if not tools:
         # all in one call: the engine decodes one big batch
@@ -557,9 +559,8 @@ def submit_prompts(client, rows, cfg, **sampling):
     # the tokens after the prompt, sampled and tool output: --max-tokens a turn, 16 for the tool
     episode_tokens = cfg.max_turns * (cfg.max_tokens + 16)
     episode = dict(tools=tools, max_turns=cfg.max_turns, max_episode_tokens=episode_tokens)
-    # rendered prompts (token ids): a chat model reads each tool's answer as its template's `tool`
-    # message
-    if any(isinstance(prompt, list) for prompt in prompts):
+    # a chat model reads each tool's answer as its template's `tool` message
+    if chat:
         episode["result_format"] = tool_message_format(cfg)
     return [client.rollout([prompt], is_async=True, **episode, **sampling) for prompt in prompts]
 
