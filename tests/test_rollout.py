@@ -198,6 +198,13 @@ def test_100_hung_tool_calls_leave_the_other_tools_answering(client):
     assert ep.tool_calls[0]["result"] == "5"
 
 
+def python_process(code):
+    """`code` run to its end by this Python in a process of its own, from the repository root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-c", code]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120)
+
+
 def test_hung_tools_do_not_hold_up_the_process_exit():
     """A process whose tools hang still exits (the server's SIGTERM ends its loop the same way:
     aiohttp then shuts the loop's executor down, which waits for every thread it holds). In a
@@ -209,10 +216,7 @@ def test_hung_tools_do_not_hold_up_the_process_exit():
         "    print(set(await asyncio.gather(*(r.call_tool('hang', '') for _ in range(100)))))\n"
         "asyncio.run(main())\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
-    )
+    done = python_process(code)
     assert done.returncode == 0, done.stderr
     assert "timed out after 0.5 s" in done.stdout
 
@@ -231,11 +235,7 @@ def test_timed_out_plain_tools_hold_no_more_threads_than_their_slots():
         "    print(threading.active_count() - before, engine.TOOL_THREADS)\n"
         "asyncio.run(main())\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
-    )
-    threads, bound = map(int, done.stdout.split())
+    threads, bound = map(int, python_process(code).stdout.split())
     assert threads <= bound, (threads, bound)
 
 
