@@ -68,6 +68,27 @@ def sums_data(n, seed, most=16):
     return rows
 
 
+def chat_sums_data(n, seed, most=12):
+    """The long-completion task, as chat: add up 2 to `most` one-digit numbers, asked in a user
+    message and worked out a line a step ("Add 9 to 10: 10 + 9 = 19."), then "The answer is N.".
+    Its solutions run 50-320 of the built-in model's tokens, 181 at the median: chain-of-thought
+    work whose length varies from prompt to prompt, where generation dominates a step."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = [rng.randrange(1, 10) for _ in range(rng.randint(2, most))]
+        totals = list(itertools.accumulate(terms))
+        steps = [
+            f"Add {term} to {total}: {total} + {term} = {total + term}."
+            for total, term in zip(totals, terms[1:])
+        ]
+        lines = [f"Start at {terms[0]}.", *steps, f"The answer is {totals[-1]}."]
+        question = "Add up " + " ".join(map(str, terms)) + ", one number at a time."
+        row = {"prompt": [{"role": "user", "content": question}], "answer": str(totals[-1])}
+        rows.append(row | {"totals": totals[1:], "solution": "\n".join(lines)})
+    return rows
+
+
 # -- the rewards -----------------------------------------------------------------------------------
 def reward(completion: str, answer: str) -> float:
     """The default reward: 1 if the last number in the completion equals the answer, else 0."""
@@ -88,9 +109,15 @@ def sums_reward(completion: str, row: dict) -> float:
     """The sums task's reward: each running total the completion writes ("=19"), in order, scores
     1 if right and less the further off it is (0 from twice or nothing), one not written 0; the
     mean over the row's totals. 1 when every step, and so the answer, is right."""
-    written = [int(number) for number in re.findall(r"=(\d+)", completion)]
+    written = [int(number) for number in re.findall(r"=\s*(\d+)", completion)]
     scores = [max(0.0, 1 - abs(w - total) / total) for w, total in zip(written, row["totals"])]
     return sum(scores) / len(row["totals"])
+
+
+def chat_sums_reward(completion: str, row: dict) -> float:
+    """The chat-sums task's reward: half sums_reward's (each running total), half the answer's
+    (the last number); 1, an exact answer, when every total and the answer are right."""
+    return (sums_reward(completion, row) + answer_reward(completion, row)) / 2
 
 
 def math_reward(completion: str, row: dict) -> float:
@@ -153,6 +180,13 @@ TASKS = {
     ),
     "sums": Task(data=sums_data, reward=sums_reward, warm_start_data=sums_data),
     "short-sums": Task(data=short_sums_data, reward=sums_reward, warm_start_data=short_sums_data),
+    # the longest solution is 314 tokens: room for a few more written by a model that strays
+    "chat-sums": Task(
+        data=chat_sums_data,
+        reward=chat_sums_reward,
+        warm_start_data=chat_sums_data,
+        defaults={"max_tokens": 384},
+    ),
 }
 
 

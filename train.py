@@ -36,7 +36,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from statistics import mean
 
@@ -1152,12 +1152,14 @@ def warm_start(base, path, cfg, each=None):
     rng = random.Random(cfg.seed)
     model = load_model(base, cfg.device)
     tok = AutoTokenizer.from_pretrained(base)
+    chat = replace(cfg, model=base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if cfg.model_size == "tiny" else 3e-4)
     for step in tqdm(range(1, cfg.warm_start_steps + 1), desc=f"warm start on {cfg.task}"):
         rows = TASKS[cfg.task].warm_start_data(64, rng.random())
         # addition: any sum 0..8
         answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
-        prompt_ids = [tok(r["prompt"]).input_ids for r in rows]
+        # a conversational row as the chat template renders it, as the server will be sent it
+        prompt_ids = [tok(rendered_prompt(r, chat)).input_ids for r in rows]
         answer_ids = [tok(a).input_ids + [tok.eos_token_id] for a in answers]
         batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
@@ -1371,7 +1373,8 @@ def pass_ks(cfg):
 def evaluate(client, rows, cfg):
     """--eval-n samples per held-out row on the server's weights, each added to
     --out/eval_samples.jsonl, correct with a reward of at least --success-threshold. Returns
-    eval_metrics' pass@k and maj@k."""
+    eval_metrics' pass@k and maj@k, and the seconds it took."""
+    t_eval = time.time()
     rewards = Rewards(cfg)
     tools = chat_tools(client, episode_tools(cfg))
     groups = []
@@ -1398,7 +1401,7 @@ def evaluate(client, rows, cfg):
     with open(os.path.join(cfg.out, "eval_samples.jsonl"), "a") as f:
         for group in groups:
             f.writelines(json.dumps(record) + "\n" for record in group)
-    return eval_metrics(groups, pass_ks(cfg))
+    return eval_metrics(groups, pass_ks(cfg)) | {"seconds": time.time() - t_eval}
 
 
 def sample_held_out(client, rows, cfg):

@@ -67,7 +67,7 @@ from overlap import (  # noqa: E402
     schedule_config,
     serving,
 )
-from runs import refuse_untrained  # noqa: E402
+from runs import refuse_untrained, spread  # noqa: E402
 
 import tasks  # noqa: E402
 import train  # noqa: E402
@@ -76,17 +76,16 @@ from local import SHAPES  # noqa: E402
 # the defaults that depend on --device: (CPU, GPU); --smoke's replace the CPU's
 DEFAULTS = {
     "model_size": ("tiny", "0.5b"),
-    "task": ("addition", "short-sums"),
-    "warm_start_steps": (100, 420),
-    "steps": (120, 120),
+    "task": ("addition", "chat-sums"),
+    "warm_start_steps": (100, 400),
+    "steps": (120, 40),
     "eval_every": (10, 20),
-    "eval_prompts": (8, 64),
-    "prompts_per_step": (32, 16),
-    "max_tokens": (4, 64),
-    "lr": (1e-3, 4e-5),
+    "eval_prompts": (8, 256),
+    "prompts_per_step": (32, 8),
+    "max_tokens": (4, 384),
+    "lr": (1e-3, 8e-5),
     "seeds": (3, 3),
-    "schedules": (",".join(RUNS), ",".join(RUNS)),
-    # the GPU's: 0.15 above where its warm start starts (0.146 on 64 held-out prompts)
+    "schedules": (",".join(RUNS), "sync-batch,overlap,in-flight K=1"),
     "target": (0.3, 0.3),
 }
 SMOKE = {
@@ -138,6 +137,12 @@ def parse_args():
     )
     p.add_argument("--plot-dir", default=os.path.join(ROOT, "docs"), help="for parity-*.png")
     p.add_argument(
+        "--trl-log",
+        default="",
+        help="bench/trl_gpu.py's output on the same workload: TRL colocate's seconds per step "
+        "beside ours",
+    )
+    p.add_argument(
         "--reuse",
         action="store_true",
         help="take the finished runs in --out (those with an eval.json) instead of training them "
@@ -183,6 +188,12 @@ def main():
             # runs reports on any machine
             if client is None:
                 server_flags, trainer = device_setup(p, args)
+                if server_flags:
+                    # a held-out evaluation's samples all at once (vLLM's max_num_seqs)
+                    at_once = max(
+                        args.eval_prompts * 8, 3 * args.prompts_per_step * args.group_size
+                    )
+                    server_flags += ("--max-num-seqs", str(at_once))
                 config = train.Config(**workload, **trainer, warm_start_steps=args.warm_start_steps)
                 model = train.builtin_model(config)
                 print_setup(args.device, model)
@@ -194,18 +205,19 @@ def main():
         name: [evaluations(args, name, seed, history) for seed, history in enumerate(runs)]
         for name, runs in histories.items()
     }
-    report(args, curves, histories["sync-batch"])
+    report(args, curves, histories)
 
 
 @dataclass
 class Evaluation:
-    """A held-out evaluation of a run: after `step` updates, `seconds` of training in; exact
-    accuracy (pass@1) and the mean reward of its samples."""
+    """A held-out evaluation of a run: after `step` updates, `seconds` of training in (evaluations
+    not counted); exact accuracy (pass@1), the mean reward of its samples, and its own seconds."""
 
     step: int
     seconds: float
     accuracy: float
     reward: float
+    evaluation_s: float = 0.0
 
 
 def folder(args, name, seed):
@@ -258,9 +270,17 @@ def evaluations(args, name, seed, history):
     points = []
     for i, (step, result) in enumerate(results):
         rewards = [sample["reward"] for sample in samples[i * size : (i + 1) * size]]
-        seconds = sum(row["step_s"] for row in history[:step])
-        points.append(Evaluation(step, seconds, result["pass@1"], statistics.mean(rewards)))
+        seconds = sum(training_seconds(row) for row in history[:step])
+        evaluation_s = result.get("seconds", 0.0)
+        points.append(
+            Evaluation(step, seconds, result["pass@1"], statistics.mean(rewards), evaluation_s)
+        )
     return points
+
+
+def training_seconds(row):
+    """A step's seconds less its held-out evaluation's (train.py evaluates at the step's start)."""
+    return row["step_s"] - row.get("eval", {}).get("seconds", 0.0)
 
 
 def metrics(args, name, seed):
@@ -296,7 +316,7 @@ def to_target(runs, target):
     return None
 
 
-def report(args, curves, on_policy_histories):
+def report(args, curves, histories):
     steps = set()
     for runs in curves.values():
         steps |= {tuple(point.step for point in points) for points in runs}
@@ -317,7 +337,10 @@ def report(args, curves, on_policy_histories):
         for i, point in enumerate(curves["sync-batch"][0]):
             cells = [band(runs, i, measure).show(digits) for runs in curves.values()]
             print(f"{point.step:>5} " + " ".join(f"{cell:>22}" for cell in cells))
-    print(workload(curves["sync-batch"], on_policy_histories))
+    print(workload(curves["sync-batch"], histories["sync-batch"]))
+    print(step_times(curves, histories))
+    if args.trl_log:
+        print(against_trl(args.trl_log, histories))
     print(f"\nto held-out exact accuracy {args.target}:")
     base = to_target(curves["sync-batch"], args.target)
     on_policy = band(curves["sync-batch"], -1, "accuracy")
@@ -344,6 +367,41 @@ def workload(runs, histories):
         f"{mean_length:.1f} tokens on average, the longest {longest}; rewards differ inside "
         f"{varied:.0%} of groups"
     )
+
+
+def step_times(curves, histories):
+    """Each schedule's seconds per step (evaluations not counted), median and min-max over every
+    step of its runs, its speed-up per step over sync-batch's; and the evaluations' seconds."""
+    lines = ["\nseconds per step, evaluations not counted: median (min-max) over every step"]
+    per_step = {}
+    for name, runs in histories.items():
+        seconds = [training_seconds(row) for history in runs for row in history]
+        per_step[name] = statistics.median(seconds)
+        line = f"  {name}: {spread(seconds)}"
+        if name != "sync-batch":
+            line += f", {per_step['sync-batch'] / per_step[name]:.2f}x sync-batch's"
+        lines.append(line)
+    evaluation_s = [p.evaluation_s for runs in curves.values() for points in runs for p in points]
+    lines.append(f"held-out evaluations, apart from the above: {spread(evaluation_s)} s each")
+    return "\n".join(lines)
+
+
+def against_trl(path, histories):
+    """TRL colocate's seconds per step on the same workload (bench/trl_gpu.py's log at `path`,
+    after its warm-up steps) beside our one step stale (in-flight K=1) seconds per step."""
+    with open(path) as f:
+        results = [json.loads(line.split(" ", 1)[1]) for line in f if line.startswith("RESULT {")]
+    trl = next((r for r in results if r["name"] == "TRL colocate"), None)
+    if trl is None:
+        return f"\nno TRL colocate result in {path}"
+    # bench/trl_gpu.py's default warm-up: its first 2 steps (vLLM's and the kernels' first use)
+    theirs = trl["step_s"][2:]
+    ours = [training_seconds(row) for run in histories.get("in-flight K=1", []) for row in run]
+    line = f"\nTRL colocate on this workload ({path}): {spread(theirs)} s per step"
+    if not ours:
+        return line
+    ratio = statistics.median(theirs) / statistics.median(ours)
+    return line + f"; ours one step stale (in-flight K=1) {spread(ours)}: {ratio:.2f}x TRL's"
 
 
 def verdict(name, runs, on_policy, reached, base):

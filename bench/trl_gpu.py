@@ -8,18 +8,21 @@
     # CPU: the same code on a tiny model (train.py's side; TRL's too where it is installed)
     .venv/bin/python bench/trl_gpu.py --smoke
 
-The workload, the same on every side: train.py's own, the longer of its GPU tasks (--task
-sums: add up 2-16 numbers writing each running total, so completion lengths vary; each total
-scores by how close it is, tasks.sums_reward, so rewards vary inside a group), on its built-in
-model of Qwen2.5-0.5B's shape (or 1.5B's; tiny for --smoke) warm-started on worked sums
+The workload, the same on every side: one of train.py's GPU tasks (--task: sums, add up 2-16
+numbers writing each running total, so completion lengths vary; each total scores by how close it
+is, tasks.sums_reward, so rewards vary inside a group; or chat-sums, bench/parity.py's: one-digit
+numbers as a chat message, a worked line a step, 181 tokens at the median), on its built-in model
+of Qwen2.5-0.5B's shape (or 1.5B's; tiny for --smoke) warm-started on that task
 (train.builtin_model, --warm-start-steps, cached in .cache/); the same prompts (--work's
-prompts.jsonl: tasks.sums_data's rows, the prompt as raw text; as one user message for the async
-trainer, which takes chat messages only); --prompts-per-step prompts x --group-size 8
-completions of up to --max-tokens tokens, trained in --micro-batches micro-batches; fp32 master
-weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one optimizer step per batch, no KL
-(beta = 0), the loss summed over tokens and divided once by the step's completion tokens (TRL's
-loss_type "dapo"); every vLLM engine in bfloat16 with --gpu-memory-utilization, --max-model-len,
-max_num_seqs = one step's sequences, CUDA graphs (unless --enforce-eager).
+prompts.jsonl: the task's rows, a sums prompt as raw text, a chat-sums one as chat messages that
+every side renders with the model's chat template; a raw one as one user message for the async
+trainer, which takes chat messages only), the same reward (the task's); --prompts-per-step
+prompts x --group-size 8 completions of up to --max-tokens tokens, trained in --micro-batches
+micro-batches; fp32 master weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one
+optimizer step per batch, no KL (beta = 0), the loss summed over tokens and divided once by the
+step's completion tokens (TRL's loss_type "dapo"); every vLLM engine in bfloat16 with
+--gpu-memory-utilization, --max-model-len, max_num_seqs = one step's sequences, CUDA graphs
+(unless --enforce-eager).
 Every run shows that it trained: its share of zero-advantage groups (frac_reward_zero_std, the
 name both train.py and TRL log) and its gradient norm at every step; where a run skipped more than
 half its groups, had a zero gradient, or did not log them, no speed-up is printed (exit 1).
@@ -113,7 +116,8 @@ DUMP_GRACE_S = 5.0
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-size", choices=["0.5b", "1.5b"], default="0.5b")
-    p.add_argument("--warm-start-steps", type=int, default=400, help="train.py's, on the sums")
+    p.add_argument("--task", choices=["sums", "short-sums", "chat-sums"], default="sums")
+    p.add_argument("--warm-start-steps", type=int, default=400, help="train.py's, on --task")
     p.add_argument("--max-tokens", type=int, default=256, help="completion length limit")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
@@ -185,27 +189,26 @@ def add_layout_args(p):
 # -- the shared model and data ---------------------------------------------------------------------
 def build_model(a):
     """The folder every side loads: train.py's built-in model of --model-size (tiny for --smoke),
-    warm-started on the sums task (train.builtin_model; cached in .cache/), float32 weights that
+    warm-started on --task (train.builtin_model; cached in .cache/), float32 weights that
     every engine serves in bfloat16 on GPUs."""
     import torch
 
     import train
 
     gpu = torch.cuda.is_available()
-    cfg = train.Config(task="sums", model_size=a.model_size, device="cuda" if gpu else "cpu")
+    cfg = train.Config(task=a.task, model_size=a.model_size, device="cuda" if gpu else "cpu")
     cfg.bf16, cfg.warm_start_steps = gpu, a.warm_start_steps
     return train.builtin_model(cfg)
 
 
 def build_data(a, rows=2000):
-    """prompts.jsonl: tasks.sums_data's rows (prompt, answer, the running totals the reward
-    checks), and the prompt again as `question` for the sides that take chat messages."""
+    """prompts.jsonl: --task's rows (prompt, answer, the running totals the reward checks)."""
     import tasks
 
     path = os.path.join(a.work, "prompts.jsonl")
     with open(path, "w") as f:
-        for row in tasks.sums_data(rows, seed=1):
-            print(json.dumps(row | {"question": row["prompt"]}), file=f)
+        for row in tasks.TASKS[a.task].data(rows, 1):
+            print(json.dumps(row), file=f)
     return path
 
 
@@ -315,7 +318,7 @@ def ours_config(a, model, data, device, name, overrides):
     fields = dict(
         model=model,
         dataset=data,
-        reward="tasks:sums_reward",
+        reward="tasks:" + task_reward(a).__name__,
         out=os.path.join(a.work, "ours", re.sub(r"\W+", "-", f"{device}-{name}")),
         steps=a.steps,
         prompts_per_step=a.prompts_per_step,
@@ -356,24 +359,38 @@ def emit_ours(a, cfg, layout, name, history):
 
 
 # -- TRL's side ------------------------------------------------------------------------------------
-def reward_sums(completions, totals, **kwargs):
-    """tasks.sums_reward for TRL (which passes the dataset's columns): each running total scored by
-    how close it is. A conversational completion (the async trainer's) is a list of messages."""
+def task_reward(a):
+    """--task's reward (tasks.py), the function every side scores with."""
     import tasks
 
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [tasks.sums_reward(text, {"totals": row}) for text, row in zip(texts, totals)]
+    return tasks.TASKS[a.task].reward
+
+
+def trl_reward(a):
+    """--task's reward for TRL, which passes the dataset's columns by name (answer and totals are
+    what the sums tasks' rewards read); a conversational completion is a list of messages."""
+    score = task_reward(a)
+
+    def reward(completions, answer, totals, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        rows = [{"answer": x, "totals": t} for x, t in zip(answer, totals)]
+        return [score(text, row) for text, row in zip(texts, rows)]
+
+    # TRL logs each reward under its function's name
+    reward.__name__ = score.__name__
+    return reward
 
 
 def trl_dataset(data, conversational=False):
+    """The prompts as a datasets.Dataset; with `conversational`, a raw prompt as one user
+    message."""
     from datasets import Dataset
 
     with open(data) as f:
         rows = [json.loads(line) for line in f]
     for row in rows:
-        question = row.pop("question")
-        if conversational:
-            row["prompt"] = [{"role": "user", "content": question}]
+        if conversational and isinstance(row["prompt"], str):
+            row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     return Dataset.from_list(rows)
 
 
@@ -463,7 +480,7 @@ def run_trl_grpo(a, model, data, layout, **vllm):
     # in server mode this joins the server's weight-sync group (POST /init_weight_transfer_engine)
     progress(f"GRPOTrainer(vllm_mode={cfg.vllm_mode if cfg.use_vllm else None}) ...")
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward_sums, args=cfg, train_dataset=trl_dataset(data)
+        model=model, reward_funcs=trl_reward(a), args=cfg, train_dataset=trl_dataset(data)
     )
     progress(f"GRPOTrainer ready, n_gpu={cfg.n_gpu}, model on {trainer.model.device}")
     if cfg.use_vllm:
@@ -657,7 +674,7 @@ def run_trl_async(a, model, data):
         progress("AsyncGRPOTrainer ...")
         trainer = AsyncGRPOTrainer(
             model=model,
-            reward_funcs=reward_sums,
+            reward_funcs=trl_reward(a),
             args=cfg,
             train_dataset=trl_dataset(data, conversational=True),
         )

@@ -7,6 +7,10 @@ supervised steps of train.warm_start, each milestone saved where train.builtin_m
     # one H200: the 0.5B shape on short-sums, stopping at the first milestone at 15% or more
     python3 bench/warm_start.py --device cuda --task short-sums --steps 3000 --every 250 \
         --stop-at 0.15
+    # one H200: the 0.5B shape on chat-sums, measured by the worked solutions' probability (a
+    # forward pass, not sampling: cheap at every milestone), stopping at 15% or after 240 s
+    python3 bench/warm_start.py --device cuda --task chat-sums --steps 3000 --every 25 \
+        --reference --stop-at 0.15 --stop-after 240
 
 A parity workload (bench/parity.py) starts at 10-40% held-out exact accuracy: a model that never
 answers exactly, or always does, shows no parity whatever the schedule. The held-out prompts are
@@ -49,6 +53,15 @@ def parse_args():
     p.add_argument(
         "--stop-at", type=float, help="stop at the first milestone of this pass@1 or above"
     )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="measure each milestone by the probability of the held-out rows' worked solutions "
+        "(one forward pass, no sampling; tasks whose rows have one) and --stop-at by it",
+    )
+    p.add_argument(
+        "--stop-after", type=float, help="stop at the first milestone after this many seconds"
+    )
     p.add_argument("--eval-prompts", type=int, help="held-out prompts (8 CPU, 128 GPU)")
     p.add_argument("--max-tokens", type=int, help="completion length limit (4 CPU, 64 GPU)")
     p.add_argument("--seed", type=int, default=0, help="train.py's --seed")
@@ -84,16 +97,22 @@ def main():
         if step % args.every and step < args.steps:
             return
         _, path = train.builtin_folders(dataclasses.replace(cfg, warm_start_steps=step))
-        if step < args.steps:
+        if args.reference:
+            sampled = reference(model, tok, held_out, cfg)
+            measured = f"p_reference={sampled:.3f}"
+        else:
+            sampled, greedy = accuracy(model, tok, held_out, rewards, args.max_tokens, cfg)
+            measured = f"pass@1={sampled:.3f} greedy={greedy:.3f}"
+        seconds = time.time() - start
+        print(f"warm start {step}: {measured} ({seconds:.0f} s) {path}", flush=True)
+        reached = args.stop_at is not None and sampled >= args.stop_at
+        late = args.stop_after is not None and seconds >= args.stop_after
+        stop = (reached or late) and step < args.steps
+        # the milestone where it stops (with --stop-at or --stop-after: that one alone; 2 GB for
+        # the 0.5B shape); the last step's model is saved once warm_start returns
+        if step < args.steps and (stop or (args.stop_at is None and args.stop_after is None)):
             save_model(model, tok, path)
-        sampled, greedy = accuracy(model, tok, held_out, rewards, args.max_tokens)
-        print(
-            f"warm start {step}: pass@1={sampled:.3f} greedy={greedy:.3f} "
-            f"({time.time() - start:.0f} s) {path}",
-            flush=True,
-        )
-        # the last step's model is saved once warm_start returns
-        if args.stop_at is not None and sampled >= args.stop_at and step < args.steps:
+        if stop:
             raise Stop
 
     if os.path.exists(final):
@@ -101,14 +120,29 @@ def main():
     try:
         train.warm_start(base, final, cfg, each=milestone)
     except Stop:
-        print(f"--stop-at {args.stop_at} reached")
+        print("stopped: --stop-at reached or --stop-after passed")
 
 
 @torch.no_grad()
-def accuracy(model, tok, rows, rewards, max_tokens, n=8):
+def reference(model, tok, rows, cfg):
+    """The mean over `rows` of the probability that a sample at temperature 1 writes the row's
+    worked "solution" token for token: pass@1 where that solution is the only exact answer."""
+    chat = dataclasses.replace(cfg, model=tok.name_or_path)
+    prompt_ids = [tok(train.rendered_prompt(row, chat)).input_ids for row in rows]
+    solution_ids = [tok(row["solution"]).input_ids + [tok.eos_token_id] for row in rows]
+    batch = train.make_batch(prompt_ids, solution_ids, tok.pad_token_id)
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type != "cpu"):
+        logprobs = train.token_logprobs(model, batch)
+    return (logprobs * batch["mask"].to(logprobs.device)).sum(1).float().exp().mean().item()
+
+
+@torch.no_grad()
+def accuracy(model, tok, rows, rewards, max_tokens, cfg, n=8):
     """(pass@1 of n samples at temperature 1, greedy's exact accuracy) on `rows`."""
     model.eval()
-    prompts = [row["prompt"] for row in rows]
+    # a conversational row as the chat template renders it
+    chat = dataclasses.replace(cfg, model=tok.name_or_path)
+    prompts = [train.rendered_prompt(row, chat) for row in rows]
     tok.padding_side = "left"
     batch = tok(prompts, return_tensors="pt", padding=True).to(model.device)
     settings = {

@@ -765,6 +765,9 @@ def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task
         args += ["--task", "calculator", "--max-tokens", "8", "--max-turns", "2"]
     result = train.main(args)
     tasks = ["calculator"] if task == "calculator" else ["even", "odd"]
+    # and the evaluation's seconds
+    seconds = result.pop("seconds")
+    assert seconds > 0
     assert set(result) == {
         f"{t}{name}@{k}"
         for t in ["", *(t + "/" for t in tasks)]
@@ -778,6 +781,7 @@ def test_eval_only_reports_pass_at_k_per_task(server, model_path, tmp_path, task
     assert json.load(open(tmp_path / "eval.json")) == {
         "model": model_path,
         "version": server.health()["version"],
+        "seconds": pytest.approx(seconds),
         **result,
     }
 
