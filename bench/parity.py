@@ -1,16 +1,20 @@
-"""Parity: does asynchronous training learn as the synchronous loop does? Held-out exact accuracy of
-every schedule over seeds, against steps and against seconds.
+"""Parity: does asynchronous training learn as the synchronous loop does, and does it get there
+sooner? Held-out exact accuracy of every schedule over seeds, against steps and against seconds.
 
     # CPU, seconds: the tiny model on addition, 2 seeds, 3 schedules, 6 steps
     .venv/bin/python bench/parity.py --smoke
     # CPU: the tiny model on addition, 3 seeds, every schedule, 120 steps (minutes)
     .venv/bin/python bench/parity.py
-    # one H200: server and trainer on GPU 0 (weights over CUDA IPC), the 0.5B shape on short-sums
-    # (~25 minutes: 15 runs of 120 steps, ~90 s each, after ~200 s of warm start and server start)
+    # one H200: server and trainer on GPU 0 (weights over CUDA IPC), the 0.5B shape on chat-sums:
+    # sync-batch, overlap, in-flight K=1, 3 seeds, 40 steps
     python3 bench/parity.py --device cuda
     # the same in pieces of at most ~10 min: each call trains the runs not finished yet (seed by
     # seed, starting none after --stop-after s), and the one that finishes the last reports
     python3 bench/parity.py --device cuda --reuse --stop-after 480
+    # TRL colocate's seconds per step on the same workload beside ours (bench/trl_gpu.py's log)
+    python3 bench/trl_gpu.py --task chat-sums --layouts trl-colocate --prompts-per-step 8 \
+        --max-tokens 384 --lr 8e-5 > trl.log
+    python3 bench/parity.py --device cuda --reuse --trl-log trl.log
 
 Each schedule of bench/overlap.py (sync-batch, overlap, drain K=1, in-flight K=1, in-flight K=2,
 named and set up as there) runs train.train once per seed 0..--seeds-1, all on one server (or
@@ -20,16 +24,20 @@ prompts and holds out the same ones (train.py's --seed s), its requests seeded f
 (--seed-requests: at K = 0 overlap and sync-batch so take the same samples, the fingerprint test
 in tests/test_train.py). train.py evaluates the held-out prompts every --eval-every steps and at
 the end (--eval-prompts x 8 samples, eval_samples.jsonl): an answer is exact when its reward is 1
-(pass@1), and its reward is the task's.
+(pass@1), and its reward is the task's. On a GPU the server takes every sample of an evaluation
+at once (--max-num-seqs).
 
 Per schedule, at each evaluation: the median and band (min-max over seeds) of held-out exact
-accuracy and reward, and the seconds of training up to it (the sum of train.py's step_s before
-it: evaluations included, which every schedule runs alike). Then the steps and seconds to
---target (the first evaluation whose median is at or above it; "not reached" otherwise), and a
-line per schedule: its median accuracy at the last step inside or outside the sync-batch band
-there (the on-policy band), and its speed-up to --target (sync-batch's seconds over its own). It
-draws --plot-dir/parity-cpu.png (or -gpu.png): accuracy and reward against steps and against
-seconds, each schedule's median and band.
+accuracy and reward, and the seconds of training up to it: the sum of train.py's step_s before
+it less each evaluation's own seconds (train.py evaluates at a step's start), so that a long
+evaluation does not blur the schedules' difference; the evaluations' seconds are printed apart.
+Then each schedule's seconds per step (evaluations not counted) and its speed-up per step over
+sync-batch; with --trl-log, TRL colocate's seconds per step on the same workload beside our one
+step stale. Then the steps and seconds to --target (the first evaluation whose median is at or
+above it; "not reached" otherwise), and a line per schedule: its median accuracy at the last
+step inside or outside the sync-batch band there (the on-policy band), and its speed-up to
+--target (sync-batch's seconds over its own). It draws --plot-dir/parity-cpu.png (or -gpu.png):
+accuracy and reward against steps and against seconds, each schedule's median and band.
 
 A run that trained nothing (no group of any step with an advantage: every reward of each group
 equal; bench/runs.py) stops the benchmark as it ends (exit 1): no parity is reported from it. One
@@ -38,12 +46,13 @@ for timing, would stop it.
 
 On the CPU (addition: 25 distinct sums, 8 held out and never trained on) the tiny model's held-out
 accuracy moves, but unsteadily (docs/results.md): the CPU run shows the machinery, not parity.
-On the GPU the workload is warm-started (--warm-start-steps) to where held-out exact accuracy can
-move: a model that never answers exactly, or always does, shows no parity whatever the schedule.
-The GPU defaults are the workload measured in docs/results.md: short-sums warm-started 420 steps
-(held-out pass@1 ~0.15 on its 64 prompts, inside the 10-40% window; 600 steps started at 0.6),
-16 prompts x 8 x <=64 tokens, 120 steps at lr 4e-5 (sync-batch, median of 3 seeds: +0.17 by
-step 120, +0.21 at step 100).
+On the GPU the workload is one like a user's: chat-sums (tasks.py: one-digit numbers to add up,
+asked in a chat message rendered by the model's chat template, worked a line a step; completions
+of 50-320 tokens, 181 at the median, so that generation is most of a synchronous step), the
+built-in 0.5B shape warm-started (--warm-start-steps; bench/warm_start.py finds where) to where
+held-out exact accuracy can move: a model that never answers exactly, or always does, shows no
+parity whatever the schedule. 8 prompts x 8 x <= 384 tokens a step at lr 8e-5, 256 held-out
+prompts x 8 every 20 steps.
 """
 
 import argparse

@@ -8,10 +8,14 @@ Run: .venv/bin/python -m pytest tests/test_bench.py   (against the session serve
 benchmarks take --server-url, and push their model's weights there first)
 """
 
+import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # few warm-start steps: the smoke runs time nothing; the model only has to write sums
@@ -71,7 +75,16 @@ def parity(server, tmp_path, *flags):
 def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_time_to_target(
     server, tmp_path, restore_weights
 ):
-    run = parity(server, tmp_path, "--schedules", "sync-batch,in-flight K=1")
+    # TRL's side, as bench/trl_gpu.py logs it (TRL is not installed here): 2 warm-up steps left out
+    trl = {
+        "side": "TRL",
+        "layout": "1 GPU",
+        "name": "TRL colocate",
+        "step_s": [9, 9, 2.0, 2.2, 2.6],
+    }
+    (tmp_path / "trl.log").write_text("TRL colocate ...\nRESULT " + json.dumps(trl) + "\n")
+    flags = ("--schedules", "sync-batch,in-flight K=1", "--trl-log", str(tmp_path / "trl.log"))
+    run = parity(server, tmp_path, *flags)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     # accuracy, reward and seconds at each evaluation: median (min-max) over the seeds, a column
@@ -90,6 +103,38 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
         r"average, the longest \d+; rewards differ inside \d+% of groups",
         workload,
     ), workload
+    # the seconds of training leave the evaluations out: each step's step_s less its evaluation's
+    rows = {
+        (name, seed): [
+            json.loads(x) for x in open(tmp_path / "runs" / f"{name}-seed{seed}" / "metrics.jsonl")
+        ]
+        for name in ("sync-batch", "in-flight-K=1")
+        for seed in (0, 1)
+    }
+    assert all(
+        row["eval"]["seconds"] > 0
+        for run_rows in rows.values()
+        for row in run_rows
+        if "eval" in row
+    )
+    trained = {
+        key: [row["step_s"] - row.get("eval", {}).get("seconds", 0) for row in run_rows]
+        for key, run_rows in rows.items()
+    }
+    at = lines.index("seconds of training, median (min-max) over 2 seeds")
+    sync_batch = statistics.median(sum(trained["sync-batch", seed]) for seed in (0, 1))
+    assert float(lines[at + 5].split()[1]) == pytest.approx(sync_batch, abs=0.051)
+    # per step, evaluations apart; TRL's seconds per step beside our one step stale
+    [per_step] = [x for x in lines if x.startswith("  in-flight K=1: ")]
+    assert re.fullmatch(rf"  in-flight K=1: {band}, \d+\.\d\dx sync-batch's", per_step), per_step
+    assert any(
+        re.fullmatch(rf"held-out evaluations, apart from the above: {band} s each", x)
+        for x in lines
+    )
+    ours = statistics.median(trained["in-flight-K=1", 0] + trained["in-flight-K=1", 1])
+    [against] = [x for x in lines if x.startswith("TRL colocate on this workload")]
+    assert "2.200 (2.000-2.600) s per step" in against, against
+    assert against.endswith(f"{2.2 / ours:.2f}x TRL's"), against
     [stale] = [x for x in lines if x.startswith("in-flight K=1: step 6 accuracy ")]
     assert re.search(r"(inside|outside) the on-policy band \d", stale), stale
     assert stale.endswith(("target not reached", "x", "sync-batch did not reach it")), stale
@@ -100,7 +145,7 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     # in pieces: a third seed's runs are left at --stop-after (1 ns: past before the first run
     # however fast the machine, where 1 ms was not), and a --reuse of finished runs reports them
     # without a server (none listens on port 1)
-    flags = ("--schedules", "sync-batch,in-flight K=1", "--reuse")
+    flags = (*flags, "--reuse")
     cut = parity(server, tmp_path, *flags, "--seeds", "3", "--stop-after", "1e-9")
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert "--stop-after 1e-09 s: 2 runs left" in cut.stdout and "on-policy band" not in cut.stdout
