@@ -25,7 +25,7 @@ prompts and holds out the same ones (train.py's --seed s), its requests seeded f
 in tests/test_train.py). train.py evaluates the held-out prompts every --eval-every steps and at
 the end (--eval-prompts x 8 samples, eval_samples.jsonl): an answer is exact when its reward is 1
 (pass@1), and its reward is the task's. On a GPU the server takes every sample of an evaluation
-at once (--max-num-seqs).
+up to 1024 at once (--max-num-seqs).
 
 Per schedule, at each evaluation: the median and band (min-max over seeds) of held-out exact
 accuracy and reward, and the seconds of training up to it: the sum of train.py's step_s before
@@ -198,10 +198,10 @@ def main():
             if client is None:
                 server_flags, trainer = device_setup(p, args)
                 if server_flags:
-                    # a held-out evaluation's samples all at once (vLLM's max_num_seqs)
-                    at_once = max(
-                        args.eval_prompts * 8, 3 * args.prompts_per_step * args.group_size
-                    )
+                    # a held-out evaluation's samples at once, up to 1024 (vLLM's max_num_seqs;
+                    # its default token budget a step, 2048, must hold a decode step of them all)
+                    evaluation = min(args.eval_prompts * 8, 1024)
+                    at_once = max(evaluation, 3 * args.prompts_per_step * args.group_size)
                     server_flags += ("--max-num-seqs", str(at_once))
                 config = train.Config(**workload, **trainer, warm_start_steps=args.warm_start_steps)
                 model = train.builtin_model(config)
