@@ -981,6 +981,8 @@ def test_eval_only_scores_the_whole_file_saves_every_sample_and_its_pass_and_maj
                 majorities.append(group[answers.index(top)]["correct"])
             expected[f"{task}pass@{k}"] = sum(passes) / len(passes)
             expected[f"{task}maj@{k}"] = sum(majorities) / len(majorities)
+    # and the evaluation's own seconds
+    assert result.pop("seconds") > 0
     assert result == pytest.approx(expected)
     assert 0 < result["pass@1"] < 1
     # answers repeat within a prompt: the majority is no one sample's
@@ -989,7 +991,7 @@ def test_eval_only_scores_the_whole_file_saves_every_sample_and_its_pass_and_maj
     again = train.main(args)
     resampled = [json.loads(line) for line in open(tmp_path / "run" / "eval_samples.jsonl")]
     assert [s["completion"] for s in resampled] == [s["completion"] for s in samples]
-    assert again == result
+    assert again.pop("seconds") > 0 and again == result
 
 
 def test_pass_k_and_wandb_are_checked_when_given():
