@@ -1718,10 +1718,8 @@ def shard(model):
 
 
 def full_weights(model, dtype=""):
-    """{name: tensor} gathered from the ranks' shards, rank 0's alone (ShardedPolicy.weights)."""
-    # a peft model: Client.update_model_params pushes its adapter alone
-    if hasattr(model, "peft_config"):
-        return model
+    """{name: tensor} gathered from the ranks' shards, rank 0's alone (ShardedPolicy.weights; no
+    LoRA under torchrun: Config refuses it)."""
     weights = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
