@@ -1637,26 +1637,21 @@ def lead(*message):
 
 
 def follow():
-    """Ranks > 0 under torchrun: hold a shard of the model; train on our share of each micro-batch
-    rank 0 hands over, step with it, and gather the full weights with it once at the start and
-    after each step (rank 0 then pushes them)."""
+    """Ranks > 0 under torchrun: hold a shard of the model, and call each method of it that rank 0
+    calls of its own (lead): train on our share of each micro-batch, step with it, and gather the
+    full weights with it once at the start and after each step (rank 0 then pushes them)."""
     # the first command is "start" (cfg), or "stop" when rank 0 only evaluates
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         command, *args = box[0]
+        if command == "stop":
+            return
         if command == "start":
             policy = ShardedPolicy(*args)
-            policy.weights()
-        elif command == "backward":
-            policy.backward(*args)
-        elif command == "step":
-            policy.step(*args)
-            policy.weights()
-        elif command == "retry":
-            policy.zero_grad()
         else:
-            return
+            # by name: backward, step, zero_grad, weights
+            getattr(policy, command)(*args)
 
 
 class ShardedPolicy(Policy):
@@ -1698,13 +1693,14 @@ class ShardedPolicy(Policy):
         super().step(stats)
 
     def zero_grad(self):
-        lead("retry")
+        lead("zero_grad")
         super().zero_grad()
 
     def weights(self, dtype=""):
         """Every rank calls this at the start and after each step: each parameter in turn is
         gathered from the ranks' shards, and only rank 0 keeps it, in `dtype` (client.DTYPES;
         "": as trained): no rank holds the full float32 weights, only one parameter at a time."""
+        lead("weights", dtype)
         return full_weights(self.model, dtype)
 
 
