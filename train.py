@@ -497,10 +497,8 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             is_weights, deltas, loss = policy.backward(
                 seqs, advantages, version, tok.pad_token_id, measure_all
             )
-            # every sample counts in the step's divisor: those backward skips too
             stats["divisor"] += loss_divisor(seqs, cfg)
             stats["loss"] += loss
-            # the FLOPs of those forwards and backwards (for tflops and mfu)
             stats["flops"] += backward_flops(policy.model, seqs, advantages, cfg, measure_all)
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
