@@ -299,11 +299,16 @@ class Engine:
             raise self.fail_for_good(
                 f"the paused requests' KV was not dropped, or the version not labelled: {e!r}"
             ) from None
-        self.version = version
+        self.announce(version)
         # new base weights: an adapter trained on the old ones no longer applies, and none stays
         # loaded in vLLM's slots
         self.lora = None
         await self.remove_old_adapters(keep=0)
+
+    def announce(self, version):
+        """Serve as `version` from now on, and wake those waiting for it (they pass once the gate
+        reopens)."""
+        self.version = version
         self.new_version.set()
         self.new_version = asyncio.Event()
 
@@ -329,10 +334,8 @@ class Engine:
         self.loras.append(lora)
         async with self.gate_closed("drain" if mode == "drain" else None, drain_timeout, timeout):
             self.lora = lora
-            self.version = max(self.version + 1, version)
+            self.announce(max(self.version + 1, version))
             await self.remove_old_adapters(keep=self.args.max_loras)
-            self.new_version.set()
-            self.new_version = asyncio.Event()
         return self.version
 
     async def remove_old_adapters(self, keep):

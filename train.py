@@ -494,12 +494,12 @@ def accumulate_step(rollouts, policy, tok, measure_all):
             totals = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(totals, cfg.scale_rewards).flatten()
-            divisor, is_weights, deltas, loss, flops = policy.backward(
+            is_weights, deltas, loss = policy.backward(
                 seqs, advantages, version, tok.pad_token_id, measure_all
             )
-            stats["divisor"] += divisor
+            stats["divisor"] += loss_divisor(seqs, cfg)
             stats["loss"] += loss
-            stats["flops"] += flops
+            stats["flops"] += backward_flops(policy.model, seqs, advantages, cfg, measure_all)
             # how many versions behind ours the weights that sampled each completion token are
             lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
             tensors["staleness"].append(torch.tensor(lags))
@@ -740,46 +740,44 @@ class Policy:
 
 
 def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, skip=True):
-    """Accumulate the policy gradient of `seqs` on our weights `version`, --train-micro-batch
-    sequences per forward. Returns their loss_divisor, the stale tokens' importance weights,
-    the trainer-minus-server logprobs, the summed loss and chunk_backward's FLOPs
-    (docs/training.md)."""
-    # every sample counts in the step's divisor: the skipped ones below too
-    divisor = loss_divisor(seqs, cfg)
+    """Accumulate the policy gradient of `seqs` on our weights `version`, in the forwards that
+    `forwards` plans. Returns the stale tokens' importance weights, the trainer-minus-server
+    logprobs and the summed loss, which the caller divides by loss_divisor (docs/training.md)."""
+    weights, deltas = [torch.empty(0)], [torch.empty(0)]
+    loss = 0.0
+    for part, part_advantages, grad in forwards(seqs, advantages, cfg, measure_all, skip):
+        w, d, part_loss = chunk_backward(model, part, part_advantages, version, cfg, pad_id, grad)
+        weights.append(w)
+        deltas.append(d)
+        loss += part_loss
+    return torch.cat(weights), torch.cat(deltas), loss
+
+
+def forwards(seqs, advantages, cfg, measure_all=False, skip=True):
+    """Yield backward's forwards as (sequences, their advantages, with gradient), each of
+    --train-micro-batch sequences (0: all)."""
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
-    # nothing to the gradient: no forward or backward for it. It stays in `divisor`, so the
-    # step's summed and normalised gradient is the one it would be without the skip.
+    # nothing to the gradient: no forward or backward for it. It stays in the step's divisor, so
+    # the step's summed and normalised gradient is the one it would be without the skip.
     # (not with `skip` off, as under torchrun: there every rank must run as many forward/backward
     # passes as the others, FSDP's gathers being collective)
     trained = (advantages != 0) | (not skip)
-    weights, deltas = [torch.empty(0)], [torch.empty(0)]
-    loss = 0.0
-    flops = torch.zeros(2, dtype=torch.float64)
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
         index = chosen.nonzero().flatten()
         # longest first: a forward pads its sequences to the longest, so like lengths go together
         index = sorted(index.tolist(), key=lambda i: -len(seqs[i].ids))
-        part = [seqs[i] for i in index]
-        size = cfg.train_micro_batch or max(len(part), 1)
-        for i in range(0, len(part), size):
-            chunk = slice(i, i + size)
-            w, d, chunk_loss, chunk_flops = chunk_backward(
-                model, part[chunk], advantages[index][chunk], version, cfg, pad_id, grad
-            )
-            weights.append(w)
-            deltas.append(d)
-            loss += chunk_loss
-            flops += chunk_flops
-    return divisor, torch.cat(weights), torch.cat(deltas), loss, flops
+        size = cfg.train_micro_batch or max(len(index), 1)
+        for i in range(0, len(index), size):
+            chunk = index[i : i + size]
+            yield [seqs[j] for j in chunk], advantages[chunk], grad
 
 
 def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
     whole step is in). Returns the stale tokens' importance weights, the trainer minus server
-    logprobs of the tokens the current weights sampled, the loss, and the FLOPs computed (padding
-    included) and useful (the sequences' own)."""
+    logprobs of the tokens the current weights sampled, and the loss."""
     ids = [seq.ids for seq in seqs]
     masks = [seq.mask for seq in seqs]
     old_logprobs = [seq.logprobs for seq in seqs]
@@ -794,14 +792,8 @@ def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap, cfg.loss_type)
     if grad:
         loss.backward()
-    lengths = [len(seq.ids) for seq in seqs]
-    recompute = grad and model.is_gradient_checkpointing
-    flops = [
-        train_flops(model, shape, int(sampled.sum()), grad, recompute)
-        for shape in ([max(lengths)] * len(lengths), lengths)
-    ]
     deltas = (logprobs.detach() - old)[~stale & sampled]
-    return w[stale & sampled], deltas, loss.item(), torch.tensor(flops, dtype=torch.float64)
+    return w[stale & sampled], deltas, loss.item()
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -983,6 +975,20 @@ def speed_metrics(flops, train_s, cfg):
         peak = next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), 0)
     mfu = computed / (peak * ranks) if peak else None
     return {"tflops": computed, "tflops_useful": useful, "mfu": mfu}
+
+
+def backward_flops(model, seqs, advantages, cfg, measure_all=False):
+    """The FLOPs of backward's forwards and backwards of `seqs` (one process's: `forwards`),
+    computed (each forward's rows padded to its longest) and useful (the sequences' own)."""
+    flops = torch.zeros(2, dtype=torch.float64)
+    for part, _, grad in forwards(seqs, advantages, cfg, measure_all):
+        lengths = [len(seq.ids) for seq in part]
+        # the output layer runs at the positions that predict a sampled token
+        head_tokens = sum(sum(seq.mask[1:]) for seq in part)
+        recompute = grad and model.is_gradient_checkpointing
+        for i, shape in enumerate(([max(lengths)] * len(lengths), lengths)):
+            flops[i] += train_flops(model, shape, head_tokens, grad, recompute)
+    return flops
 
 
 def train_flops(model, lengths, head_tokens, grad=True, recompute=False):
@@ -1629,26 +1635,21 @@ def lead(*message):
 
 
 def follow():
-    """Ranks > 0 under torchrun: hold a shard of the model; train on our share of each micro-batch
-    rank 0 hands over, step with it, and gather the full weights with it once at the start and
-    after each step (rank 0 then pushes them)."""
+    """Ranks > 0 under torchrun: hold a shard of the model, and call each method of it that rank 0
+    calls of its own (lead): train on our share of each micro-batch, step with it, and gather the
+    full weights with it once at the start and after each step (rank 0 then pushes them)."""
     # the first command is "start" (cfg), or "stop" when rank 0 only evaluates
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         command, *args = box[0]
+        if command == "stop":
+            return
         if command == "start":
             policy = ShardedPolicy(*args)
-            policy.weights()
-        elif command == "backward":
-            policy.backward(*args)
-        elif command == "step":
-            policy.step(*args)
-            policy.weights()
-        elif command == "retry":
-            policy.zero_grad()
         else:
-            return
+            # by name: backward, step, zero_grad, weights
+            getattr(policy, command)(*args)
 
 
 class ShardedPolicy(Policy):
@@ -1677,27 +1678,27 @@ class ShardedPolicy(Policy):
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
         share = slice(rank * len(seqs) // self.ranks, (rank + 1) * len(seqs) // self.ranks)
         mine = (seqs[share], advantages[share], version, self.cfg, pad_id, measure_all)
-        # skip off: every rank runs as many forward/backward passes as the others (see backward)
-        _, weights, deltas, loss, flops = backward(self.model, *mine, skip=False)
+        # skip off: every rank runs as many forward/backward passes as the others (see forwards)
+        statistics = backward(self.model, *mine, skip=False)
         # the statistics of every rank's share
         shares = [None] * self.ranks
-        dist.all_gather_object(shares, (weights, deltas, loss, flops))
-        weights, deltas, losses, flops = zip(*shares)
-        divisor = loss_divisor(seqs, self.cfg)
-        return divisor, torch.cat(weights), torch.cat(deltas), sum(losses), sum(flops)
+        dist.all_gather_object(shares, statistics)
+        weights, deltas, losses = zip(*shares)
+        return torch.cat(weights), torch.cat(deltas), sum(losses)
 
     def step(self, stats):
         lead("step", {"divisor": stats["divisor"], "train": []})
         super().step(stats)
 
     def zero_grad(self):
-        lead("retry")
+        lead("zero_grad")
         super().zero_grad()
 
     def weights(self, dtype=""):
         """Every rank calls this at the start and after each step: each parameter in turn is
         gathered from the ranks' shards, and only rank 0 keeps it, in `dtype` (client.DTYPES;
         "": as trained): no rank holds the full float32 weights, only one parameter at a time."""
+        lead("weights", dtype)
         return full_weights(self.model, dtype)
 
 
@@ -1711,10 +1712,8 @@ def shard(model):
 
 
 def full_weights(model, dtype=""):
-    """{name: tensor} gathered from the ranks' shards, rank 0's alone (ShardedPolicy.weights)."""
-    # a peft model: Client.update_model_params pushes its adapter alone
-    if hasattr(model, "peft_config"):
-        return model
+    """{name: tensor} gathered from the ranks' shards, rank 0's alone (ShardedPolicy.weights; no
+    LoRA under torchrun: Config refuses it)."""
     weights = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()

@@ -153,7 +153,8 @@ def trainer_gradient(model, seqs, advantages, **memory):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    tokens, *_ = train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
+    train.backward(model, seqs, advantages, 0, cfg, pad_id=1)
+    tokens = train.loss_divisor(seqs, cfg)
     model.gradient_checkpointing_disable()
     return torch.cat([p.grad.flatten() / tokens for p in model.parameters()])
 
@@ -207,8 +208,8 @@ def test_groups_with_equal_rewards_get_no_forward_and_leave_the_gradient_unchang
 def test_train_flops_count_the_tiny_models_matmuls_as_counted_by_hand(model_path):
     """6N + 12LHQT FLOPs a token for a forward and backward (PaLM's), N the decoder's matmul
     parameters counted from the tiny model's config; x4/3 where the forward is recomputed; the
-    output layer (always recomputed) at the loss mask's tokens. backward's padded rows compute
-    more than the sequences' own tokens."""
+    output layer (always recomputed) at the loss mask's tokens. backward_flops: backward's padded
+    rows compute more than the sequences' own tokens."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     c = model.config
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
@@ -223,7 +224,9 @@ def test_train_flops_count_the_tiny_models_matmuls_as_counted_by_hand(model_path
     assert train.train_flops(model, [10, 7], 5, grad=False) == decoder / 3 + head
     prompts, completions, advantages = random_batch(4, seed=1)
     seqs = seqs_of(prompts, completions)
-    tokens, _, _, _, flops = train.backward(model, seqs, advantages, 0, train.Config(model="m"), 1)
+    cfg = train.Config(model="m")
+    tokens = train.loss_divisor(seqs, cfg)
+    flops = train.backward_flops(model, seqs, advantages, cfg)
     lengths = [len(seq.ids) for seq in seqs]
     assert flops.tolist() == [
         train.train_flops(model, [max(lengths)] * 4, tokens),
