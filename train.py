@@ -284,7 +284,7 @@ def train(cfg: Config, client: Client, data=None):
     policy = policy_type(cfg, (tok, " ".join(rendered_prompt(r, cfg) for r in data[:4])))
     start, queued_rows, history = start_run(cfg, policy.opt, rng, data)
     # the server samples from exactly our weights
-    rollouts = Rollouts(client, cfg, policy.weights(cfg.dtype), queued_rows, start)
+    sampler = Sampler(client, cfg, policy.weights(cfg.dtype), queued_rows, start)
     # setup's objects live as long as the run: out of the garbage collector's way (docs/training.md)
     gc.freeze()
     t_run = time.time()
@@ -294,25 +294,23 @@ def train(cfg: Config, client: Client, data=None):
         RunLog(cfg, history) as run_log,
         client,
         tqdm(range(start, cfg.steps), desc="GRPO", disable=None) as bar,
-        checkpoint_on_stop(cfg, policy, tok, rng, rollouts),
+        checkpoint_on_stop(cfg, policy, tok, rng, sampler),
     ):
         for step in bar:
             t_step = time.time()
             evaluation = None
             if cfg.eval_every and step % cfg.eval_every == 0:
                 # on the weights this step samples; a step that loses the server goes without
-                evaluation = rollouts.unless_lost(evaluate, client, held_out, cfg)
+                evaluation = sampler.unless_lost(evaluate, client, held_out, cfg)
             # this is where the overlap happens: micro-batches train while the rest still generate
-            stats = step_gradient(rollouts, policy, tok, step - start)
-            # the weights and the queue move on together: a stop in between leaves no checkpoint
-            rollouts.next_step = None
-            policy.step(stats)
-            sampled_version = rollouts.version
-            rollouts.submit_next(rng, data, step)
+            stats = step_gradient(sampler, policy, tok, step - start)
+            sampled_version = sampler.version
+            # the optimizer steps and step s+1+K is queued, together (a stop between leaves none)
+            sampler.advance(policy, stats, rng, data, step)
             with timed(stats["sync"]):
-                rollouts.unless_lost(rollouts.push, policy.weights(cfg.dtype))
+                sampler.unless_lost(sampler.push, policy.weights(cfg.dtype))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save_checkpoint(cfg, policy, tok, step + 1, rng, rollouts)
+                save_checkpoint(cfg, policy, tok, step + 1, rng, sampler)
             row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
             warn_first_step(row, cfg)
             run_log.log(row)
@@ -320,23 +318,23 @@ def train(cfg: Config, client: Client, data=None):
         if cfg.eval_every:
             run_log.log_eval(cfg.steps, final_eval(client, held_out, cfg))
     if cfg.checkpoint:
-        save_checkpoint(cfg, policy, tok, cfg.steps, rng, rollouts)
-    finish_run(cfg, rollouts.client, history)
+        save_checkpoint(cfg, policy, tok, cfg.steps, rng, sampler)
+    finish_run(cfg, sampler.client, history)
     return history
 
 
 @contextlib.contextmanager
-def checkpoint_on_stop(cfg, policy, tok, rng, rollouts):
+def checkpoint_on_stop(cfg, policy, tok, rng, sampler):
     """A run that stops (an error, Ctrl-C) leaves the checkpoint of its last completed step
     (RunLog draws its plot): `--resume` goes on from there, as the error's note says."""
     try:
         yield
     except BaseException as e:
         # under torchrun the optimizer's state is sharded: a checkpoint there does not resume
-        if rollouts.next_step is not None and policy.resumable:
-            save_checkpoint(cfg, policy, tok, rollouts.next_step, rng, rollouts)
+        if sampler.next_step is not None and policy.resumable:
+            save_checkpoint(cfg, policy, tok, sampler.next_step, rng, sampler)
             e.add_note(
-                f"stopped at step {rollouts.next_step}; checkpoint in {cfg.out}; "
+                f"stopped at step {sampler.next_step}; checkpoint in {cfg.out}; "
                 f"go on with: python train.py --resume {cfg.out}"
             )
         raise
@@ -356,7 +354,7 @@ class QueuedStep:
     version: int = 0
 
 
-class Rollouts:
+class Sampler:
     """The loop's side of the server: the steps submitted and not yet trained on (oldest first),
     the weights we pushed last and the version the server holds them as; reconnecting to a lost
     server (unless_lost), after which the queued steps are submitted again."""
@@ -410,6 +408,13 @@ class Rollouts:
                 time.sleep(1)
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
+    def advance(self, policy, stats, rng, data, step):
+        """Step the optimizer on step s's gradient and queue step s+1+K (submit_next). Between the
+        two the weights and the queue disagree: a stop there leaves no checkpoint (next_step)."""
+        self.next_step = None
+        policy.step(stats)
+        self.submit_next(rng, data, step)
+
     def submit_next(self, rng, data, step):
         """Pop the step trained and queue step s+1+K (K = --max-staleness); on-policy, submit
         it at once for the next version (docs/training.md, "When a step is sampled")."""
@@ -446,13 +451,13 @@ class Rollouts:
         self.version = pushed
 
 
-def step_gradient(rollouts, policy, tok, steps_done):
+def step_gradient(sampler, policy, tok, steps_done):
     """Accumulate the oldest queued step's gradient (accumulate_step), starting over if the server
     is lost meanwhile (at most 3 times); at this process's first step and every --mismatch-every
     steps the mismatch is measured on every sample. Returns the step's statistics."""
-    measure_all = steps_done % rollouts.cfg.mismatch_every == 0
+    measure_all = steps_done % sampler.cfg.mismatch_every == 0
     for _ in range(3):
-        stats = rollouts.unless_lost(accumulate_step, rollouts, policy, tok, measure_all)
+        stats = sampler.unless_lost(accumulate_step, sampler, policy, tok, measure_all)
         if stats is not None:
             return stats
         policy.zero_grad()
@@ -467,69 +472,69 @@ def timed(intervals):
     intervals.append([start, time.time()])
 
 
-def accumulate_step(rollouts, policy, tok, measure_all):
+def accumulate_step(sampler, policy, tok, measure_all):
     """Collect the oldest queued step's samples and accumulate each micro-batch's gradient as it
     lands, its versions checked. Returns the step's statistics and phases' intervals."""
-    cfg = rollouts.cfg
-    # steps 0..K at the start, and the steps a lost server held (Rollouts.submit_next)
-    rollouts.submit_queued(rollouts.version)
-    queued = rollouts.queue[0]
-    version = rollouts.version
+    cfg = sampler.cfg
+    # steps 0..K at the start, and the steps a lost server held (Sampler.submit_next)
+    sampler.submit_queued(sampler.version)
+    queued = sampler.queue[0]
+    version = sampler.version
     tensors = collections.defaultdict(list)
     stats = {"divisor": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
     # which prompts the step trained on, in a number: runs compare their steps by it
     stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
     rewards = Rewards(cfg)
-    # samples: [prompt][G] Completion or Episode
-    for rows, samples, times in collect(rollouts.client, queued.rows, queued.requests, cfg):
+    # outputs: [prompt][G] Completion or Episode
+    for rows, outputs, times in collect(sampler.client, queued.rows, queued.requests, cfg):
         stats["gen"].append([min(t["started"] for t in times), max(t["finished"] for t in times)])
         # the trainer waited for this micro-batch until now
         with timed(stats["train"]):
             # B = prompts * G
-            seqs = []
-            for row, group in zip(rows, samples):
-                seqs += [sequence(row, sample, rewards) for sample in group]
+            samples = []
+            for row, group in zip(rows, outputs):
+                samples += [to_sample(row, output, rewards) for output in group]
             # the step was submitted that many pushes ago
-            check_versions(rollouts, seqs, version - queued.version)
-            totals = torch.tensor([seq.reward for seq in seqs]).view(len(rows), cfg.group_size)
+            check_versions(sampler, samples, version - queued.version)
+            totals = torch.tensor([s.reward for s in samples]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(totals, cfg.scale_rewards).flatten()
             is_weights, deltas, loss = policy.backward(
-                seqs, advantages, version, tok.pad_token_id, measure_all
+                samples, advantages, version, tok.pad_token_id, measure_all
             )
-            stats["divisor"] += loss_divisor(seqs, cfg)
+            stats["divisor"] += loss_divisor(samples, cfg)
             stats["loss"] += loss
-            stats["flops"] += backward_flops(policy.model, seqs, advantages, cfg, measure_all)
+            stats["flops"] += backward_flops(policy.model, samples, advantages, cfg, measure_all)
             # how many versions behind ours the weights that sampled each completion token are
-            lags = [version - v for seq in seqs for v in seq.sampled(seq.versions)]
+            lags = [version - v for s in samples for v in s.sampled(s.versions)]
             tensors["staleness"].append(torch.tensor(lags))
             tensors["rewards"].append(totals.flatten())
             # (B, functions): NaN where a function does not apply
-            tensors["each_reward"].append(torch.tensor([seq.rewards for seq in seqs]))
+            tensors["each_reward"].append(torch.tensor([s.rewards for s in samples]))
             tensors["is_weights"].append(is_weights)
             tensors["logprob_deltas"].append(deltas)
             # per sample: the tokens it sampled, and whether --max-tokens cut it
-            tensors["lengths"].append(torch.tensor([sum(seq.mask) for seq in seqs]))
-            tensors["truncated"].append(torch.tensor([seq.truncated for seq in seqs]).float())
-            calls = [[seq.tool_calls, seq.tool_errors] for seq in seqs]
+            tensors["lengths"].append(torch.tensor([sum(s.mask) for s in samples]))
+            tensors["truncated"].append(torch.tensor([s.truncated for s in samples]).float())
+            calls = [[s.tool_calls, s.tool_errors] for s in samples]
             tensors["tool_calls"].append(torch.tensor(calls).view(-1, 2))
             # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
-            sampled = [lp for seq in seqs for lp in seq.sampled(seq.logprobs)]
+            sampled = [lp for s in samples for lp in s.sampled(s.logprobs)]
             tensors["sampled_logprobs"].append(torch.tensor(sampled))
     return stats | {key: torch.cat(values) for key, values in tensors.items()}
 
 
-def check_versions(rollouts, seqs, staleness):
-    """Stop the run unless every token of `seqs`, a step submitted `staleness` pushes ago, is that
-    many versions behind ours (drain updates), or at most that many (in flight). Versions that
-    went back mean a new server: ConnectionError, and the loop reconnects."""
-    version = rollouts.version
-    min_lag = staleness if rollouts.cfg.update_mode == "drain" else 0
-    versions = {v for seq in seqs for v in seq.versions}
+def check_versions(sampler, samples, staleness):
+    """Stop the run unless every token of `samples`, a step submitted `staleness` pushes ago, is
+    that many versions behind ours (drain updates), or at most that many (in flight). Versions
+    that went back mean a new server: ConnectionError, and the loop reconnects."""
+    version = sampler.version
+    min_lag = staleness if sampler.cfg.update_mode == "drain" else 0
+    versions = {v for sample in samples for v in sample.versions}
     if version - staleness <= min(versions) and max(versions) <= version - min_lag:
         return
     # versions start again at 0 in a new server
-    if rollouts.client.health()["version"] < version:
+    if sampler.client.health()["version"] < version:
         raise ConnectionError(f"the server restarted: its weight version went back from {version}")
     raise RuntimeError(
         f"sample versions {sorted(versions)} at trainer version {version}: the schedule "
@@ -631,32 +636,33 @@ class Sample:
         return [value for value, m in zip(values, self.mask) if m]
 
 
-def sequence(row, sample, rewards) -> Sample:
-    """A Completion or Episode as a Sample, its rewards (Rewards) of the completion and the row."""
+def to_sample(row, output, rewards) -> Sample:
+    """A server output of `row` (a Completion or an Episode) as the Sample the trainer reads, with
+    its rewards (Rewards) of the completion and the row."""
     # Client.session's episode is None when the calls do not continue one another token for token
-    if sample is None:
+    if output is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
-    if isinstance(sample, Episode):
+    if isinstance(output, Episode):
         # an episode merged from a session has no spans: its first turn's version
-        spans = sample.versions or [[sample.turns[0]["version"], 0]]
+        spans = output.versions or [[output.turns[0]["version"], 0]]
         return Sample(
-            ids=sample.token_ids,
-            mask=sample.loss_mask,
-            logprobs=sample.logprobs,
-            versions=per_token(spans, 0, len(sample.token_ids)),
-            **rewards(sample.turns[-1]["text"], row),
-            truncated=sample.finish_reason == "length",
-            tool_calls=len(sample.tool_calls),
-            tool_errors=sum(call["result"].startswith("error") for call in sample.tool_calls),
+            ids=output.token_ids,
+            mask=output.loss_mask,
+            logprobs=output.logprobs,
+            versions=per_token(spans, 0, len(output.token_ids)),
+            **rewards(output.turns[-1]["text"], row),
+            truncated=output.finish_reason == "length",
+            tool_calls=len(output.tool_calls),
+            tool_errors=sum(call["result"].startswith("error") for call in output.tool_calls),
         )
-    prompt = sample.prompt_token_ids
+    prompt = output.prompt_token_ids
     return Sample(
-        ids=prompt + sample.token_ids,
-        mask=[0] * len(prompt) + [1] * len(sample.token_ids),
-        logprobs=[None] * len(prompt) + sample.logprobs,
-        versions=per_token(sample.versions, len(prompt), len(prompt) + len(sample.token_ids)),
-        **rewards(sample.text, row),
-        truncated=sample.finish_reason == "length",
+        ids=prompt + output.token_ids,
+        mask=[0] * len(prompt) + [1] * len(output.token_ids),
+        logprobs=[None] * len(prompt) + output.logprobs,
+        versions=per_token(output.versions, len(prompt), len(prompt) + len(output.token_ids)),
+        **rewards(output.text, row),
+        truncated=output.finish_reason == "length",
     )
 
 
@@ -711,9 +717,9 @@ class Policy:
     def shard(self):
         """One process: nothing to shard."""
 
-    def backward(self, seqs, advantages, version, pad_id, measure_all):
+    def backward(self, samples, advantages, version, pad_id, measure_all):
         """backward() of the whole micro-batch."""
-        return backward(self.model, seqs, advantages, version, self.cfg, pad_id, measure_all)
+        return backward(self.model, samples, advantages, version, self.cfg, pad_id, measure_all)
 
     def step(self, stats):
         """Normalise the step's summed gradient, clip it and step the optimizer."""
@@ -739,13 +745,13 @@ class Policy:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
 
-def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, skip=True):
-    """Accumulate the policy gradient of `seqs` on our weights `version`, in the forwards that
+def backward(model, samples, advantages, version, cfg, pad_id, measure_all=False, skip=True):
+    """Accumulate the policy gradient of `samples` on our weights `version`, in the forwards that
     `forwards` plans. Returns the stale tokens' importance weights, the trainer-minus-server
     logprobs and the summed loss, which the caller divides by loss_divisor (docs/training.md)."""
     weights, deltas = [torch.empty(0)], [torch.empty(0)]
     loss = 0.0
-    for part, part_advantages, grad in forwards(seqs, advantages, cfg, measure_all, skip):
+    for part, part_advantages, grad in forwards(samples, advantages, cfg, measure_all, skip):
         w, d, part_loss = chunk_backward(model, part, part_advantages, version, cfg, pad_id, grad)
         weights.append(w)
         deltas.append(d)
@@ -753,7 +759,7 @@ def backward(model, seqs, advantages, version, cfg, pad_id, measure_all=False, s
     return torch.cat(weights), torch.cat(deltas), loss
 
 
-def forwards(seqs, advantages, cfg, measure_all=False, skip=True):
+def forwards(samples, advantages, cfg, measure_all=False, skip=True):
     """Yield backward's forwards as (sequences, their advantages, with gradient), each of
     --train-micro-batch sequences (0: all)."""
     # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
@@ -767,22 +773,22 @@ def forwards(seqs, advantages, cfg, measure_all=False, skip=True):
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
         index = chosen.nonzero().flatten()
         # longest first: a forward pads its sequences to the longest, so like lengths go together
-        index = sorted(index.tolist(), key=lambda i: -len(seqs[i].ids))
+        index = sorted(index.tolist(), key=lambda i: -len(samples[i].ids))
         size = cfg.train_micro_batch or max(len(index), 1)
         for i in range(0, len(index), size):
             chunk = index[i : i + size]
-            yield [seqs[j] for j in chunk], advantages[chunk], grad
+            yield [samples[j] for j in chunk], advantages[chunk], grad
 
 
-def chunk_backward(model, seqs, advantages, version, cfg, pad_id, grad=True):
-    """One forward of `seqs` (and with `grad`, backward: gradients accumulate, normalised once the
-    whole step is in). Returns the stale tokens' importance weights, the trainer minus server
+def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True):
+    """One forward of `samples` (and with `grad`, backward: gradients accumulate, normalised once
+    the whole step is in). Returns the stale tokens' importance weights, the trainer minus server
     logprobs of the tokens the current weights sampled, and the loss."""
-    ids = [seq.ids for seq in seqs]
-    masks = [seq.mask for seq in seqs]
-    old_logprobs = [seq.logprobs for seq in seqs]
-    batch = make_batch([[]] * len(seqs), ids, pad_id, masks, old_logprobs)
-    versions = [torch.tensor(seq.versions) for seq in seqs]
+    ids = [sample.ids for sample in samples]
+    masks = [sample.mask for sample in samples]
+    old_logprobs = [sample.logprobs for sample in samples]
+    batch = make_batch([[]] * len(samples), ids, pad_id, masks, old_logprobs)
+    versions = [torch.tensor(sample.versions) for sample in samples]
     # (b, T-1) True where weights older than ours sampled the target token
     stale = pad_sequence(versions, batch_first=True, padding_value=version)[:, 1:] < version
     autocast = torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16)
@@ -881,13 +887,13 @@ def pg_loss(logprobs, old_logprobs, advantages, mask, stale, is_cap=2.0, loss_ty
     return -(w * advantages[:, None] * logprobs * mask).sum(), w
 
 
-def loss_divisor(seqs, cfg):
-    """The share of `seqs` in what the step's summed loss is divided by (TRL's loss_type): dapo,
+def loss_divisor(samples, cfg):
+    """The share of `samples` in what the step's summed loss is divided by (TRL's loss_type): dapo,
     their completion tokens; grpo, their number (pg_loss took each one's mean); dr_grpo, a
     constant: their number x --max-tokens."""
     if cfg.loss_type == "dapo":
-        return sum(sum(seq.mask[1:]) for seq in seqs)
-    return len(seqs) * (cfg.max_tokens if cfg.loss_type == "dr_grpo" else 1)
+        return sum(sum(sample.mask[1:]) for sample in samples)
+    return len(samples) * (cfg.max_tokens if cfg.loss_type == "dr_grpo" else 1)
 
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
@@ -977,14 +983,14 @@ def speed_metrics(flops, train_s, cfg):
     return {"tflops": computed, "tflops_useful": useful, "mfu": mfu}
 
 
-def backward_flops(model, seqs, advantages, cfg, measure_all=False):
-    """The FLOPs of backward's forwards and backwards of `seqs` (one process's: `forwards`),
+def backward_flops(model, samples, advantages, cfg, measure_all=False):
+    """The FLOPs of backward's forwards and backwards of `samples` (one process's: `forwards`),
     computed (each forward's rows padded to its longest) and useful (the sequences' own)."""
     flops = torch.zeros(2, dtype=torch.float64)
-    for part, _, grad in forwards(seqs, advantages, cfg, measure_all):
-        lengths = [len(seq.ids) for seq in part]
+    for part, _, grad in forwards(samples, advantages, cfg, measure_all):
+        lengths = [len(sample.ids) for sample in part]
         # the output layer runs at the positions that predict a sampled token
-        head_tokens = sum(sum(seq.mask[1:]) for seq in part)
+        head_tokens = sum(sum(sample.mask[1:]) for sample in part)
         recompute = grad and model.is_gradient_checkpointing
         for i, shape in enumerate(([max(lengths)] * len(lengths), lengths)):
             flops[i] += train_flops(model, shape, head_tokens, grad, recompute)
@@ -1494,15 +1500,15 @@ def state_path(run):
     return os.path.join(run, "checkpoint", "trainer_state.pt")
 
 
-def save_checkpoint(cfg, policy, tok, next_step, rng, rollouts):
+def save_checkpoint(cfg, policy, tok, next_step, rng, sampler):
     """Replace --out/checkpoint with the model, the tokenizer and, where `policy` resumes,
     trainer_state.pt: the optimizer, `next_step` and the data order (docs/training.md)."""
-    rows = [queued.rows for queued in rollouts.queue] + list(rollouts.sampled)
+    rows = [queued.rows for queued in sampler.queue] + list(sampler.sampled)
     optimizer = policy.opt.state_dict()
     state = {"step": next_step, "optimizer": optimizer, "rng": rng.getstate(), "rows": rows}
     extra = {"trainer_state.pt": state} if policy.resumable else {}
     # a LoRA run's: the adapter (PeftModel.save_pretrained)
-    weights = None if cfg.lora_rank else rollouts.weights
+    weights = None if cfg.lora_rank else sampler.weights
     save_model(policy.model, tok, os.path.join(cfg.out, "checkpoint"), extra, weights)
 
 
@@ -1527,8 +1533,8 @@ def start_run(cfg, opt, rng, data):
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
         start, rows = state["step"], state["rows"]
-    # steps start..start+K sampled ahead (Rollouts.submit_next); a checkpoint holds them, fewer
-    # (one of a run that ended, or of a smaller K), or more (of a larger K: Rollouts keeps them)
+    # steps start..start+K sampled ahead (Sampler.submit_next); a checkpoint holds them, fewer
+    # (one of a run that ended, or of a smaller K), or more (of a larger K: Sampler keeps them)
     while len(rows) <= min(cfg.max_staleness, cfg.steps - 1 - start):
         rows.append(rng.sample(data, cfg.prompts_per_step))
     return start, rows, history
@@ -1669,15 +1675,15 @@ class ShardedPolicy(Policy):
         """On the model's device (a CPU trainer on a GPU machine shards on the CPU)."""
         shard(self.model)
 
-    def backward(self, seqs, advantages, version, pad_id, measure_all):
+    def backward(self, samples, advantages, version, pad_id, measure_all):
         """backward() of this rank's share of the micro-batch: whole groups (a group never
         straddles two ranks; its advantages were computed before the split). Returns what
         Policy.backward does, of the whole micro-batch: every rank's statistics."""
-        lead("backward", seqs, advantages, version, pad_id, measure_all)
+        lead("backward", samples, advantages, version, pad_id, measure_all)
         rank = dist.get_rank()
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
-        share = slice(rank * len(seqs) // self.ranks, (rank + 1) * len(seqs) // self.ranks)
-        mine = (seqs[share], advantages[share], version, self.cfg, pad_id, measure_all)
+        share = slice(rank * len(samples) // self.ranks, (rank + 1) * len(samples) // self.ranks)
+        mine = (samples[share], advantages[share], version, self.cfg, pad_id, measure_all)
         # skip off: every rank runs as many forward/backward passes as the others (see forwards)
         statistics = backward(self.model, *mine, skip=False)
         # the statistics of every rank's share

@@ -88,7 +88,7 @@ def test_train_py_runs_against_a_server_where_vllm_cannot_be_imported(
 # -- your reward, your data ------------------------------------------------------------------------
 def test_sequence_given_no_episode_says_what_is_wrong():
     with pytest.raises(ValueError, match="no episode"):
-        train.sequence({"prompt": "p", "answer": "3"}, None, tasks.answer_reward)
+        train.to_sample({"prompt": "p", "answer": "3"}, None, tasks.answer_reward)
 
 
 def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
@@ -99,7 +99,7 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
         [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
     )
     assert (
-        train.sequence(
+        train.to_sample(
             {"prompt": "p", "answer": "42"},
             episode,
             train.Rewards(train.Config(model="m", reward="tasks:answer_reward")),

@@ -125,7 +125,7 @@ def test_an_openai_agent_session_merges_into_an_episode_and_trains_on_sampled_to
     assert sampled == [t for c in calls for t in c["completion_token_ids"]]
     # one GRPO-style step on it: gradient reaches exactly the positions that predict sampled tokens
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    seq = train.sequence({"answer": "3"}, episode, ANSWER_REWARD)
+    seq = train.to_sample({"answer": "3"}, episode, ANSWER_REWARD)
     grad = position_gradients(
         model,
         lambda: train.backward(
@@ -161,7 +161,7 @@ def test_a_session_that_does_not_continue_itself_has_no_episode(oa, model_name, 
 
 def test_a_merged_session_keeps_each_calls_weight_version(oa, model_name, server, model_path):
     """An agent's two calls, a weight push between them: the merged episode labels each call's
-    sampled tokens with the version that sampled them, as train.sequence reads them."""
+    sampled tokens with the version that sampled them, as train.to_sample reads them."""
     agent = oa.with_options(default_headers={"X-Session-ID": "agent-3"})
     messages = [{"role": "user", "content": "a question"}]
     reply = agent.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
@@ -176,7 +176,7 @@ def test_a_merged_session_keeps_each_calls_weight_version(oa, model_name, server
     agent.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
     calls, episode = server.session("agent-3")
     assert episode is not None, calls
-    versions = train.sequence({"answer": ""}, episode, ANSWER_REWARD).versions
+    versions = train.to_sample({"answer": ""}, episode, ANSWER_REWARD).versions
     sampled = [v for v, m in zip(versions, episode.loss_mask) if m]
     first, second = (len(c["completion_token_ids"]) for c in calls)
     v0 = calls[0]["weight_version"]

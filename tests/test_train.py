@@ -1284,7 +1284,7 @@ def test_conversational_rows_are_sampled_after_exactly_the_chat_templates_tokens
         ids = tok.encode(rendered(model_path, row["prompt"]), add_special_tokens=False)
         assert [c.prompt_token_ids for c in group] == [ids, ids]
         # what the trainer scores: those tokens, then the sampled ones
-        assert train.sequence(row, group[0], train.Rewards(cfg)).ids[: len(ids)] == ids
+        assert train.to_sample(row, group[0], train.Rewards(cfg)).ids[: len(ids)] == ids
 
 
 def test_system_prompt_is_added_only_to_conversations_without_one(model_path, tmp_path):
