@@ -7,8 +7,8 @@ Endpoints (JSON in, JSON out): generate and rollout answer 202 with a request id
 /get_future collects the result (by id, by identical arguments, or as completed); the weight-sync
 routes set up a transport and load versioned updates (/update_adapter: a LoRA adapter, with
 --enable-lora); /health and /metrics; /reset_prefix_cache (TRL's); the OpenAI-compatible /v1
-routes (openai_face.py). docs/http.md lists every field. Every mistake of the caller is a 4xx
-with {"error": message}.
+routes (their answers and sessions: openai_face.py). docs/http.md lists every field. Every
+mistake of the caller is a 4xx with {"error": message}.
 """
 
 import argparse
@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 import uuid
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,7 @@ from vllm.tool_parsers import ToolParserManager
 from client import DTYPES, TRANSPORTS, fingerprint, from_base64, load_function, model_error
 from engine import Engine, RolloutEngine, check_encodable, engine_args, openai_tool
 from local import tiny_model
+from openai_face import expire_sessions, merge, open_session, openai_answer, openai_events, record
 
 # sampling fields accepted by /generate, named and typed as in vLLM's SamplingParams, by type
 SAMPLING_FIELDS = dict.fromkeys(["n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs"], int)
@@ -61,6 +62,12 @@ ROLLOUT_FIELDS = ("tools", "max_turns", "max_episode_tokens", "call_start", "cal
 # `tool` message (train.tool_message_format)
 ROLLOUT_FIELDS += ("result_format",)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# vLLM's OpenAI server takes its sampling fields too (top_k, min_p, ignore_eos, ...); `logprobs`
+# means something else in OpenAI's shape
+OPENAI_SAMPLING = set(SAMPLING_FIELDS) - {"logprobs"}
+# the other fields: what to complete and how to answer, logprobs in OpenAI's shape, functions
+OPENAI_OTHER = {"model", "messages", "prompt", "max_completion_tokens", "stream", "user"}
+OPENAI_OTHER |= {"logprobs", "top_logprobs", "tools", "tool_choice"}
 
 # /metrics: prometheus_client's default registry, served by its own aiohttp handler (the gauges
 # are read from the engine when scraped: make_app)
@@ -175,6 +182,29 @@ def parse_prompts(body, state) -> list:
     return prompts
 
 
+def chat_prompt(engine, body) -> list[int]:
+    """The token ids of the body's `messages` and `tools` under the model's chat template, or a
+    400. A tool call's `arguments`, a JSON string in OpenAI's shape, is rendered as the object it
+    holds, as vLLM's server renders it."""
+    messages = checked_field(body, "messages", [dict])
+    if not messages or not all(
+        isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or "tool_calls" in m)
+        for m in messages
+    ):
+        raise ApiError("'messages' must be a non-empty list of {role, content (a string)}")
+    try:
+        for m in messages:
+            for call in m.get("tool_calls") or []:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        text = engine.tokenizer.apply_chat_template(
+            messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
+        )
+    # no template, one that refuses these roles, or tool calls that are not OpenAI's
+    except Exception as e:
+        raise ApiError(f"the model's chat template cannot render these messages: {e}") from None
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
 def parse_sampling(body, state, extra=()) -> SamplingParams:
     """SamplingParams from the body's fields, within the server's caps, or a 400. `extra` names
     the other fields the body may have."""
@@ -212,9 +242,6 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     """The prompts and SamplingParams of a /generate or /rollout body (whose other fields are
     REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that add_request() reads."""
     check_serving(app)
-    # imported here, as make_app imports it: that module imports this one
-    from openai_face import chat_prompt
-
     prompts = body.get("prompts")
     # a conversation, [{role, content}, ...], rendered by the model's chat template (Client.chat)
     for i, prompt in enumerate(prompts if isinstance(prompts, list) else []):
@@ -230,6 +257,56 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     checked_field(body, "max_version", int, version, version, 2**63, f" (now at {version})")
     checked_field(body, "keep_result", bool, False)
     return prompts, params
+
+
+def tool_request(state, body) -> ChatCompletionRequest | None:
+    """A chat body with `tools` as vLLM's ChatCompletionRequest, adjusted by the --tool-call-parser
+    as vLLM's server adjusts it (e.g. special tokens kept in the text); or a 400. The parser reads
+    the model's tool calls against it. None without tools or with tool_choice "none"."""
+    if "tools" not in body or body.get("tool_choice") == "none":
+        return None
+    if not state.tool_parser or body.get("tool_choice", "auto") != "auto":
+        raise ApiError(
+            "'tools' need a server started with --tool-call-parser, and 'tool_choice' "
+            "'auto' (the default) or 'none': no tool call is forced"
+        )
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except Exception as e:
+        raise ApiError(f"invalid chat request: {e}") from None
+    return state.tool_parser(request.tools).adjust_request(request)
+
+
+def openai_request(engine, state, body, chat) -> tuple:
+    """The prompt's token ids, the SamplingParams, whether to answer with logprobs and the
+    tool_request (or None), of a /v1/completions (`chat` False) or /v1/chat/completions body; or a
+    4xx."""
+    unknown = sorted(set(body) - OPENAI_SAMPLING - OPENAI_OTHER)
+    if unknown:
+        raise ApiError(f"unsupported fields {unknown}")
+    request = tool_request(state, body) if chat else None
+    if body.get("model") != state.flags.served_model_name:
+        raise ApiError(f"model {body.get('model')!r} does not exist (see /v1/models)", 404)
+    if chat:
+        prompt = chat_prompt(engine, body)
+        logprobs = checked_field(body, "logprobs", bool, False)
+        top = checked_field(body, "top_logprobs", int, 0, 0, 20)
+        # as long as the model allows
+        max_tokens = max(1, state.flags.max_model_len - len(prompt))
+    else:
+        # one prompt: a string or token ids
+        [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)
+        prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        # completions: logprobs is the number of alternatives
+        top = checked_field(body, "logprobs", int, 0, 0, 20)
+        logprobs = top > 0
+        max_tokens = 16
+    fields = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
+    fields["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
+    if request:
+        fields["skip_special_tokens"] = request.skip_special_tokens
+    params = parse_sampling({**fields, "logprobs": top, "prompts": [prompt]}, state)
+    return prompt, params, logprobs, request
 
 
 def args_key(body) -> str:
@@ -257,6 +334,18 @@ async def check_room(request, count=1) -> int:
             429,
         )
     return nbytes // count
+
+
+@contextmanager
+def held_call(state, nbytes):
+    """A /v1 call in progress, of `nbytes`: counted with the futures table (check_room)."""
+    state.openai_calls += 1
+    state.held_bytes += nbytes
+    try:
+        yield
+    finally:
+        state.openai_calls -= 1
+        state.held_bytes -= nbytes
 
 
 def add_request(app, body, work, *args, nbytes=0) -> str:
@@ -487,6 +576,57 @@ async def abort(request):
         raise ApiError(f"no such request {request_id}", 404)
     drop_request(request.app, request_id).cancel()
     return web.json_response({"aborted": request_id})
+
+
+# -- the OpenAI-compatible /v1 routes (their answers and sessions: openai_face.py) -----------------
+async def models(request):
+    name = request.app[STATE].flags.served_model_name
+    model = {"id": name, "object": "model", "owned_by": "async-grpo"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def openai_completion(request):
+    """/v1/completions and /v1/chat/completions: OpenAI's request and response shapes. A null
+    field is one not set, as OpenAI's clients may send it."""
+    check_serving(request.app)
+    state, engine = request.app[STATE], request.app[ENGINE]
+    body = {k: v for k, v in (await read_json(request)).items() if v is not None}
+    chat = request.path.endswith("chat/completions")
+    prompt, params, logprobs, tools = openai_request(engine, state, body, chat)
+    stream = checked_field(body, "stream", bool, False)
+    session_id = request.headers.get("X-Session-ID")
+    completions = []
+    nbytes = await check_room(request)
+    # room for every choice, each recorded with its prompt
+    reserved = params.n * (len(prompt) + params.max_tokens)
+    recording = open_session(state, session_id, reserved) if session_id else None
+    try:
+        with held_call(state, nbytes):
+            [completions] = await generate_and_count(request.app, [prompt], params)
+    # the engine refused it (e.g. a prompt longer than --max-model-len)
+    except Exception as e:
+        status = 503 if engine.error else 400
+        raise ApiError(f"the engine refused the request: {engine.error or e}", status) from None
+    finally:
+        # a session's calls are recorded in the order they finish; a failed call frees its room
+        if recording:
+            record(recording, prompt, completions, reserved)
+    answer = openai_answer(state, engine, chat, prompt, completions, logprobs, tools)
+    return openai_events(answer, chat) if stream else web.json_response(answer)
+
+
+async def session(request):
+    state = request.app[STATE]
+    session_id = request.match_info["session_id"]
+    expire_sessions(state)
+    if session_id not in state.sessions:
+        raise ApiError(f"no session {session_id!r} (never used, deleted or expired)", 404)
+    if request.method == "DELETE":
+        state.sessions.pop(session_id)
+        return web.json_response({"deleted": session_id})
+    calls = state.sessions[session_id]["calls"]
+    episode, reason = merge(calls)
+    return web.json_response({"calls": calls, "episode": episode, "reason": reason})
 
 
 async def init_communicator(request):
@@ -1013,10 +1153,7 @@ def make_app(args, flags) -> web.Application:
     app.on_shutdown.append(stop_requests)
     app.cleanup_ctx.append(mcp_ctx)
     app.cleanup_ctx.append(engine_ctx)
-    # the /v1 routes (openai_face.py): imported here, as that module imports this one
-    import openai_face
-
-    app.add_routes(ROUTES + openai_face.ROUTES)
+    app.add_routes(ROUTES)
     return app
 
 
@@ -1033,6 +1170,11 @@ ROUTES = [
     web.post("/update_adapter", update_adapter),
     web.post("/reset_prefix_cache", reset_prefix_cache),
     web.get("/metrics", make_aiohttp_handler()),
+    web.get("/v1/models", models),
+    web.post("/v1/completions", openai_completion),
+    web.post("/v1/chat/completions", openai_completion),
+    web.get("/v1/sessions/{session_id}", session),
+    web.delete("/v1/sessions/{session_id}", session),
 ]
 
 
@@ -1177,6 +1319,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # one copy of this module, run as a script or imported by openai_face.py as `server`
-    sys.modules["server"] = sys.modules["__main__"]
     main()
