@@ -10,7 +10,7 @@ In reading order:
    them; `bump` labels the new version; leaving `gate_closed` reopens the gate. An update is
    atomic: it bumps the version, or keeps the old weights and version, or the engine fails for
    good and the server exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the
-   next version instead, and each request keeps the adapter it was admitted with.
+   next version instead, and each request keeps the adapter it was admitted with (`Adapters`).
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -93,16 +93,8 @@ class Engine:
         # the weight version of every sampled token (vLLM 0.32 labels them, we count for 0.26)
         self.labels = VersionLabels(self.llm)
         self.tokenizer = self.llm.tokenizer
-        # --enable-lora: the adapters loaded, oldest first; the one new requests get (None: the
-        # base model alone); how many prompts in flight use each
-        self.loras = []
-        self.lora = None
-        self.lora_users = collections.Counter()
-        # their folders, in shared memory where there is one, named by our process id; removed as
-        # the process exits
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.lora_dir = tempfile.TemporaryDirectory(prefix=f"async-grpo-{os.getpid()}-", dir=shm)
-        self.lora_ids = 0
+        # --enable-lora: the adapter each request generates with (None: the base model alone)
+        self.adapters = Adapters(self.llm)
 
     @property
     def error(self) -> str | None:
@@ -142,8 +134,7 @@ class Engine:
             raise RuntimeError(f"engine unusable: {self.error}")
         version = self.version
         self.in_flight += len(prompts)
-        lora = self.lora
-        self.lora_users[lora] += len(prompts)
+        lora = self.adapters.admit(len(prompts))
         sampling = final_output_params(params)
         request_ids = [uuid.uuid4().hex for _ in prompts]
         tasks = [
@@ -159,17 +150,16 @@ class Engine:
             raise
         finally:
             self.in_flight -= len(prompts)
-            self.lora_users[lora] -= len(prompts)
-            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too. None:
-            # a request keeps the adapter it was admitted with to its end, and so its version
-            marks = [None if lora else self.labels.pop(request_id) for request_id in request_ids]
+            self.adapters.release(lora, len(prompts))
+            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too
+            marks = [self.labels.pop(request_id) for request_id in request_ids]
             await self.notify_if_idle()
         results = []
         # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
         for out, m in zip(outputs, marks):
             per_prompt = []
             for c in out.outputs:
-                spans = self.labels.spans(c, version, m)
+                spans = self.labels.spans(c, version, m, lora)
                 per_prompt.append(completion(c, out.prompt_token_ids, params.logprobs, spans))
             results.append(per_prompt)
         return results
@@ -302,8 +292,7 @@ class Engine:
         self.announce(version)
         # new base weights: an adapter trained on the old ones no longer applies, and none stays
         # loaded in vLLM's slots
-        self.lora = None
-        await self.remove_old_adapters(keep=0)
+        await self.adapters.serve(None, keep=0)
 
     def announce(self, version):
         """Serve as `version` from now on, and wake those waiting for it (they pass once the gate
@@ -316,36 +305,14 @@ class Engine:
         """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes,
         `data`) as the next version, or `version` if higher; returns it. A ValueError or
         TimeoutError changes nothing (docs/internals.md#engineupdate_adapter)."""
-        # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
-        # ids in an int32 tensor): one more than the last
-        self.lora_ids += 1
-        lora_id = self.lora_ids
-        folder = tempfile.mkdtemp(dir=self.lora_dir.name)
-        Path(folder, "adapter_config.json").write_text(json.dumps(config))
-        Path(folder, "adapter_model.safetensors").write_bytes(data)
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
-        lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)
-        try:
-            await asyncio.wait_for(self.llm.add_lora(lora), timeout)
-        except Exception as e:
-            shutil.rmtree(folder)
-            raise ValueError(f"vLLM refused the adapter: {e}") from None
-        self.loras.append(lora)
+        lora = await self.adapters.load(config, data, timeout)
         async with self.gate_closed("drain" if mode == "drain" else None, drain_timeout, timeout):
-            self.lora = lora
+            # the version and the adapter change together: nothing awaits between them
             self.announce(max(self.version + 1, version))
-            await self.remove_old_adapters(keep=self.args.max_loras)
+            await self.adapters.serve(lora, keep=self.args.max_loras)
         return self.version
-
-    async def remove_old_adapters(self, keep):
-        """Remove the adapters older than the newest `keep` that no request in flight uses (vLLM
-        would read one again from its folder); one in use goes at a later update."""
-        for lora in self.loras[: len(self.loras) - keep]:
-            if not self.lora_users[lora]:
-                await self.llm.remove_lora(lora.lora_int_id)
-                shutil.rmtree(lora.lora_path)
-                self.loras.remove(lora)
 
     def fail_for_good(self, why) -> RuntimeError:
         """Mark the engine failed for good (the server then exits); the error for the caller to
@@ -368,6 +335,61 @@ class Engine:
         return await asyncio.wait_for(
             self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5
         )
+
+
+# -- LoRA adapters (--enable-lora) ----------------------------------------------------------------
+class Adapters:
+    """The LoRA adapters loaded in vLLM, oldest first; the one new requests get (None: the base
+    model alone); how many prompts in flight use each: a request keeps the adapter it was admitted
+    with, and so its version, to its end (docs/internals.md#engineupdate_adapter)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.loaded = []
+        self.current = None
+        self.users = collections.Counter()
+        # their folders, in shared memory where there is one, named by our process id; removed as
+        # the process exits
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.folder = tempfile.TemporaryDirectory(prefix=f"async-grpo-{os.getpid()}-", dir=shm)
+        # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
+        # ids in an int32 tensor): one more than the last
+        self.last_id = 0
+
+    def admit(self, prompts) -> LoRARequest | None:
+        """The adapter that `prompts` new prompts generate with, in use by them until `release`."""
+        self.users[self.current] += prompts
+        return self.current
+
+    def release(self, lora, prompts):
+        self.users[lora] -= prompts
+
+    async def load(self, config, data, timeout) -> LoRARequest:
+        """Load an adapter (PEFT's adapter_config.json, adapter_model.safetensors' bytes) into
+        vLLM, served once `serve` says so; a ValueError where vLLM refuses it."""
+        self.last_id += 1
+        folder = tempfile.mkdtemp(dir=self.folder.name)
+        Path(folder, "adapter_config.json").write_text(json.dumps(config))
+        Path(folder, "adapter_model.safetensors").write_bytes(data)
+        lora = LoRARequest(f"adapter-{self.last_id}", self.last_id, folder)
+        try:
+            await asyncio.wait_for(self.llm.add_lora(lora), timeout)
+        except Exception as e:
+            shutil.rmtree(folder)
+            raise ValueError(f"vLLM refused the adapter: {e}") from None
+        self.loaded.append(lora)
+        return lora
+
+    async def serve(self, lora, keep):
+        """Give new requests `lora` (None: the base model alone), then remove the adapters older
+        than the newest `keep` that no request in flight uses (vLLM would read one again from its
+        folder); one in use goes at a later call."""
+        self.current = lora
+        for old in self.loaded[: len(self.loaded) - keep]:
+            if not self.users[old]:
+                await self.llm.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path)
+                self.loaded.remove(old)
 
 
 # -- the vLLM calls that may change between releases, one small function each ----------------------
@@ -436,19 +458,19 @@ class VersionLabels:
             return
         await outputs_processed(self.llm)
         for r in self.llm.output_processor.request_states.values():
+            tokens = r.detokenizer.num_output_tokens()
             request = self.marks.setdefault(r.external_req_id, {})
-            request.setdefault(r.request_index, []).append(
-                [version, r.detokenizer.num_output_tokens()]
-            )
+            request.setdefault(r.request_index, []).append([version, tokens])
 
     def pop(self, request_id) -> dict:
         """A finished (or cancelled) request's marks, forgotten here."""
         return self.marks.pop(request_id, {})
 
-    def spans(self, c, version, marks) -> list:
+    def spans(self, c, version, marks, lora) -> list:
         """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first;
-        `marks` (pop's) None: a LoRA request, of that version throughout."""
-        if marks is None:
+        `marks`: pop's. A request with a `lora` adapter (Adapters.admit) keeps it, and so its
+        version, throughout (updates label the base weights' versions)."""
+        if lora is not None:
             return [[version, 0]]
         labelled = getattr(c, "weight_versions", None)
         if labelled:
