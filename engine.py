@@ -41,7 +41,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
@@ -891,6 +891,22 @@ def takes_one_string(tool) -> bool:
 TOOL_THREADS = 16
 
 
+@dataclass
+class EpisodeOptions:
+    """How an episode runs: /rollout's options (docs/http.md), built where a request is parsed
+    (server.rollout_route); RolloutEngine's `options` are the defaults."""
+
+    max_turns: int = 4
+    # the tokens after the prompt, sampled and tool output alike
+    max_episode_tokens: int = 256
+    # the tools it may call (None: every one registered)
+    tools: list | None = None
+    call_start: str = "<tool>"
+    call_end: str = "</tool>"
+    # a tool's answer goes where the {} is
+    result_format: str = "<result>{}</result>"
+
+
 @dataclass(eq=False)
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
@@ -898,16 +914,16 @@ class RolloutEngine:
     which may open a call) is a tool call: the text since that `call_start` is "NAME ARGUMENT"; the
     tool's output, wrapped in `result_format`, is tokenised once and appended (docs/http.md). A
     call in the last turn (`max_turns`) is not made: the model would never read its answer. A tool
-    that raises, times out or does not exist answers with an error text; the episode goes on."""
+    that raises, times out or does not exist answers with an error text; the episode goes on. Each
+    episode's options (tags, format, turns) are an EpisodeOptions; `options` are the defaults."""
 
     engine: Engine
     # NAME -> function, besides the built-in `calc`
     tools: dict | None = None
     # NAME -> OpenAI schema, where the function's signature does not tell it (MCP tools)
     schemas: dict | None = None
-    call_start: str = "<tool>"
-    call_end: str = "</tool>"
-    result_format: str = "<result>{}</result>"
+    # the options where a request does not set them (server.rollout_route)
+    options: EpisodeOptions = field(default_factory=EpisodeOptions)
     # seconds a tool call may take
     tool_timeout: float = 10.0
     # the --tool-call-parser's reader of a call between the default tags, in the family's format:
@@ -930,7 +946,8 @@ class RolloutEngine:
     def parse_call(self, call, call_start, call_end) -> tuple[str, str, bool]:
         """A call's text between its tags: (name, argument, whether the argument is a JSON object
         of keyword arguments, as the family's format always writes it)."""
-        if self.read_call and (call_start, call_end) == (self.call_start, self.call_end):
+        defaults = self.options.call_start, self.options.call_end
+        if self.read_call and (call_start, call_end) == defaults:
             found = self.read_call(call_start + call + call_end)
             if found is None:
                 return "", call, True
@@ -974,28 +991,18 @@ class RolloutEngine:
         return await in_daemon_thread(call, self.slots[name])
 
     async def episode(
-        self,
-        prompt,
-        params: SamplingParams,
-        max_turns=4,
-        max_episode_tokens=256,
-        tools=None,
-        call_start=None,
-        call_end=None,
-        result_format=None,
-        k=0,
+        self, prompt, params: SamplingParams, options: EpisodeOptions, k=0
     ) -> Episode:
         """The `k`-th episode of `prompt`; with a seed, each k samples turns of its own."""
-        call_start = call_start or self.call_start
-        call_end = call_end or self.call_end
+        call_start, call_end = options.call_start, options.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
         ep = Episode([], [], [], [], [], "max_turns", [])
         ep.append(ids, logprobs=None)
         async with self.engine.episode():
-            for turn in range(max_turns):
+            for turn in range(options.max_turns):
                 # the tokens left after the prompt, for sampled and tool output alike
-                budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
+                budget = options.max_episode_tokens - (len(ep.token_ids) - len(ids))
                 p = params.clone()
                 p.n = 1
                 p.max_tokens = min(params.max_tokens, budget)
@@ -1011,29 +1018,29 @@ class RolloutEngine:
                 if not c.text.endswith(call_end) or call_start not in text:
                     ep.finish_reason = c.finish_reason
                     break
-                if turn == max_turns - 1:
+                if turn == options.max_turns - 1:
                     break
                 call = text[: -len(call_end)].rpartition(call_start)[2]
                 name, argument, keywords = self.parse_call(call, call_start, call_end)
-                result = await self.call_tool(name, argument, tools, keywords)
+                result = await self.call_tool(name, argument, options.tools, keywords)
                 ep.tool_calls.append({"name": name, "argument": argument, "result": result})
                 # the next turn's text starts after the tool's output
                 text = ""
-                if cut := self.append_output(ep, result, budget - len(c.token_ids), result_format):
+                if cut := self.append_output(ep, result, budget - len(c.token_ids), options):
                     ep.finish_reason = cut
                     break
         return ep
 
-    def append_output(self, ep, result, budget, result_format) -> str | None:
-        """Append a tool's `result`, wrapped in `result_format` (its {}) and tokenised, cut to the
-        `budget` of tokens the episode has left and to what the context has: where it is cut, the
-        episode's finish reason ("budget" or "length")."""
+    def append_output(self, ep, result, budget, options) -> str | None:
+        """Append a tool's `result`, wrapped in the episode's `options.result_format` and tokenised,
+        cut to the `budget` of tokens the episode has left and to what the context has: where it is
+        cut, the episode's finish reason ("budget" or "length")."""
         # the next turn's prompt must leave room for a token: vLLM refuses it otherwise
         context = self.engine.llm.model_config.max_model_len - 1 - len(ep.token_ids)
         # a huge answer is cut in characters before it is tokenised (a token is rarely longer
         # than 16 of them), then in tokens
         room = max(0, min(budget, context))
-        before, _, after = (result_format or self.result_format).partition("{}")
+        before, _, after = options.result_format.partition("{}")
         answer = result[: 16 * (room + 1)]
         encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
         # the answer as text (a "<|im_end|>" in it is those characters, not the control token); the
@@ -1044,12 +1051,10 @@ class RolloutEngine:
             return "length"
         return "budget" if len(output) >= budget else None
 
-    async def rollout(self, prompts, params: SamplingParams, *options):
-        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:
-        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end,
-        result_format)."""
+    async def rollout(self, prompts, params: SamplingParams, options: EpisodeOptions):
+        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode."""
         per_prompt = [
-            asyncio.gather(*(self.episode(prompt, params, *options, k=k) for k in range(params.n)))
+            asyncio.gather(*(self.episode(prompt, params, options, k=k) for k in range(params.n)))
             for prompt in prompts
         ]
         return await asyncio.gather(*per_prompt)
