@@ -58,6 +58,7 @@ from client import (
     Completion,
     Episode,
     close_group,
+    copy_into,
     device_uuid,
     fingerprint,
     open_cuda,
@@ -704,17 +705,10 @@ def direct_load(model, weights) -> dict:
     copy unchanged into a slice of one parameter is copied straight there; the rest, and every
     tensor of the first load, go through `model.load_weights` (docs/internals.md#direct-loads)."""
     targets = DIRECT_TARGETS.get(model, {})
-    rest = []
-    direct = ([], [])
-    for name, tensor in weights:
-        if name in targets:
-            direct[0].append(targets[name])
-            direct[1].append(tensor)
-        else:
-            rest.append((name, tensor))
-    # one foreach call for every direct copy (torch's multi-tensor kernel, as its optimizers use)
-    if direct[0]:
-        torch._foreach_copy_(*direct)
+    direct = [(name, tensor) for name, tensor in weights if name in targets]
+    rest = [(name, tensor) for name, tensor in weights if name not in targets]
+    # every direct copy as one call
+    copy_into([targets[name] for name, _ in direct], [tensor for _, tensor in direct])
     if rest:
         with base_layers_in_place(model):
             model.load_weights(rest)
@@ -725,7 +719,7 @@ def direct_load(model, weights) -> dict:
             for name, tensor in weights
             if name in slices and same_tensor(slices[name], tensor)
         }
-    return {"tensors_direct": len(weights) - len(rest), "tensors_load_weights": len(rest)}
+    return {"tensors_direct": len(direct), "tensors_load_weights": len(rest)}
 
 
 def direct_slices(model) -> dict:
