@@ -532,10 +532,8 @@ class WeightSyncWorker:
     # the weight group (nccl, gloo), and the one (daemon) thread that makes them (a ThreadPool)
     group = None
     rendezvous = None
-    # ipc: the last update's buckets, the trainer's buffers opened for them, and their views
-    ipc_buckets = None
-    ipc_buffers = []
-    ipc_received = []
+    # ipc: the views into the trainer's buffers that the last update opened (IpcViews)
+    ipc = None
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         """Join the trainer's weight group within one deadline, `weight_sync_timeout` s, below the
@@ -561,9 +559,7 @@ class WeightSyncWorker:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
         self.transport = None
         self.group = None
-        self.ipc_buckets = None
-        self.ipc_buffers = []
-        self.ipc_received = []
+        self.ipc = None
 
     def receive_weights(self, buckets):
         """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
@@ -595,15 +591,10 @@ class WeightSyncWorker:
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
         if self.transport == "ipc":
-            # views straight into the trainer's buffer, on this GPU; while the trainer sends the
-            # same handle and layout (its buffer reused), what was opened and unpacked is kept
-            if buckets != self.ipc_buckets:
-                self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-                self.ipc_received = []
-                for buffer, b in zip(self.ipc_buffers, buckets):
-                    self.ipc_received += unpack(buffer, b["params"])
-                self.ipc_buckets = buckets
-            return self.ipc_received
+            # views straight into the trainer's buffer, opened again only for other buckets
+            if self.ipc is None or self.ipc.buckets != buckets:
+                self.ipc = IpcViews(buckets, self.device)
+            return self.ipc.views
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device
@@ -653,6 +644,18 @@ class WeightSyncWorker:
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
+
+
+class IpcViews:
+    """ipc, the worker's side: views straight into the trainer's buffers, on this GPU, opened for
+    one update's `buckets`. They stay valid while the trainer announces the same buckets (its
+    buffer reused: the same handle and layout); the views keep the buffers open."""
+
+    def __init__(self, buckets, device):
+        self.buckets = buckets
+        self.views = []
+        for b in buckets:
+            self.views += unpack(open_cuda(b["handle"], b["size"], device), b["params"])
 
 
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------
