@@ -900,7 +900,8 @@ class EpisodeOptions:
     tools: list | None = None
     call_start: str = "<tool>"
     call_end: str = "</tool>"
-    # a tool's answer goes where the {} is
+    # a tool's answer goes where the {} is: <result>{}</result>, or a chat template's `tool`
+    # message (train.tool_message_format)
     result_format: str = "<result>{}</result>"
 
 

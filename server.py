@@ -54,8 +54,7 @@ SAMPLING_FIELDS |= dict.fromkeys(["presence_penalty", "frequency_penalty"], floa
 SAMPLING_FIELDS |= dict.fromkeys(["ignore_eos", "include_stop_str_in_output"], bool)
 SAMPLING_FIELDS |= {"skip_special_tokens": bool, "stop": [str], "stop_token_ids": [int]}
 # the fields of /generate and /rollout besides the sampling ones: read by add_request() and the
-# routes. A tool's answer goes where the {} of result_format is: <result>{}</result>, or a chat
-# template's `tool` message (train.tool_message_format)
+# routes (/rollout's: EpisodeOptions')
 REQUEST_FIELDS = ("prompts", "priority", "min_version", "max_version", "keep_result")
 ROLLOUT_FIELDS = tuple(EpisodeOptions.__dataclass_fields__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

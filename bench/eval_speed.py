@@ -185,7 +185,10 @@ def main():
     run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(600)  # noqa: E731
     engine = Engine(args)
     options = EpisodeOptions(
-        a.max_turns, a.max_episode_tokens, call_end=a.call_end, result_format=RESULT
+        max_turns=a.max_turns,
+        max_episode_tokens=a.max_episode_tokens,
+        call_end=a.call_end,
+        result_format=RESULT,
     )
     rollouts = RolloutEngine(engine, tools={"lookup": latency_tool(a.tool_latency)})
     llm = LLM(
