@@ -13,9 +13,9 @@
 Weight transports: `ipc` when the trainer's tensors are on the server's own GPU (CUDA IPC handles,
 no copy through the host), `nccl` when they are on another GPU, `gloo` when they are on the CPU.
 The weight wire format lives here, both ends of it: the group (`weight_group`, `broadcast`,
-`wait_broadcast`, `close_group`), the packed buckets (`pack`, `fill_bucket`, `unpack`) and CUDA IPC
-handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server's workers
-(engine.WeightSyncWorker) read it from here too, so that a trainer needs no vLLM.
+`wait_broadcast`, `close_group`), the packed buckets (`pack`, `fill_bucket`, `unpack`, `copy_into`)
+and CUDA IPC handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server's
+workers (engine.WeightSyncWorker) read it from here too, so that a trainer needs no vLLM.
 """
 
 import base64
@@ -285,6 +285,13 @@ def fill_bucket(buffer, bucket, tensors):
     dtype on the way (one pass over each tensor, no copy of it in the server's dtype)."""
     for (_, view), t in zip(unpack(buffer, bucket["params"]), tensors):
         view.copy_(t)
+
+
+def copy_into(targets, sources):
+    """Copy each of `sources` into its target, cast on the way, as one call: torch's multi-tensor
+    kernel, as its optimizers use (torch._foreach_copy_, private: called here alone)."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
 
 
 def unpack(buffer: torch.Tensor, params):
@@ -652,7 +659,7 @@ class Client(AbortsOnError):
         if self.ipc_layout != bucket["params"]:
             self.ipc_views = [view for _, view in unpack(buffer, bucket["params"])]
             self.ipc_layout = bucket["params"]
-        torch._foreach_copy_(self.ipc_views, tensors)
+        copy_into(self.ipc_views, tensors)
 
     def update_adapter(self, model, mode="drain", version=0, via=None):
         """Push a peft model's active LoRA adapter into a server started with --enable-lora, as

@@ -10,7 +10,7 @@ In reading order:
    them; `bump` labels the new version; leaving `gate_closed` reopens the gate. An update is
    atomic: it bumps the version, or keeps the old weights and version, or the engine fails for
    good and the server exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the
-   next version instead, and each request keeps the adapter it was admitted with.
+   next version instead, and each request keeps the adapter it was admitted with (`Adapters`).
 2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
@@ -41,7 +41,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
@@ -58,6 +58,7 @@ from client import (
     Completion,
     Episode,
     close_group,
+    copy_into,
     device_uuid,
     fingerprint,
     open_cuda,
@@ -93,16 +94,8 @@ class Engine:
         # the weight version of every sampled token (vLLM 0.32 labels them, we count for 0.26)
         self.labels = VersionLabels(self.llm)
         self.tokenizer = self.llm.tokenizer
-        # --enable-lora: the adapters loaded, oldest first; the one new requests get (None: the
-        # base model alone); how many prompts in flight use each
-        self.loras = []
-        self.lora = None
-        self.lora_users = collections.Counter()
-        # their folders, in shared memory where there is one, named by our process id; removed as
-        # the process exits
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.lora_dir = tempfile.TemporaryDirectory(prefix=f"async-grpo-{os.getpid()}-", dir=shm)
-        self.lora_ids = 0
+        # --enable-lora: the adapter each request generates with (None: the base model alone)
+        self.adapters = Adapters(self.llm)
 
     @property
     def error(self) -> str | None:
@@ -142,8 +135,7 @@ class Engine:
             raise RuntimeError(f"engine unusable: {self.error}")
         version = self.version
         self.in_flight += len(prompts)
-        lora = self.lora
-        self.lora_users[lora] += len(prompts)
+        lora = self.adapters.admit(len(prompts))
         sampling = final_output_params(params)
         request_ids = [uuid.uuid4().hex for _ in prompts]
         tasks = [
@@ -159,17 +151,16 @@ class Engine:
             raise
         finally:
             self.in_flight -= len(prompts)
-            self.lora_users[lora] -= len(prompts)
-            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too. None:
-            # a request keeps the adapter it was admitted with to its end, and so its version
-            marks = [None if lora else self.labels.pop(request_id) for request_id in request_ids]
+            self.adapters.release(lora, len(prompts))
+            # vLLM 0.26: where in-flight updates began in each completion, cancelled ones too
+            marks = [self.labels.pop(request_id) for request_id in request_ids]
             await self.notify_if_idle()
         results = []
         # FINAL_ONLY: vLLM hands over a prompt's n completions in index order
         for out, m in zip(outputs, marks):
             per_prompt = []
             for c in out.outputs:
-                spans = self.labels.spans(c, version, m)
+                spans = self.labels.spans(c, version, m, lora)
                 per_prompt.append(completion(c, out.prompt_token_ids, params.logprobs, spans))
             results.append(per_prompt)
         return results
@@ -302,8 +293,7 @@ class Engine:
         self.announce(version)
         # new base weights: an adapter trained on the old ones no longer applies, and none stays
         # loaded in vLLM's slots
-        self.lora = None
-        await self.remove_old_adapters(keep=0)
+        await self.adapters.serve(None, keep=0)
 
     def announce(self, version):
         """Serve as `version` from now on, and wake those waiting for it (they pass once the gate
@@ -316,36 +306,14 @@ class Engine:
         """Serve a LoRA adapter (PEFT's adapter_config.json, and adapter_model.safetensors' bytes,
         `data`) as the next version, or `version` if higher; returns it. A ValueError or
         TimeoutError changes nothing (docs/internals.md#engineupdate_adapter)."""
-        # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
-        # ids in an int32 tensor): one more than the last
-        self.lora_ids += 1
-        lora_id = self.lora_ids
-        folder = tempfile.mkdtemp(dir=self.lora_dir.name)
-        Path(folder, "adapter_config.json").write_text(json.dumps(config))
-        Path(folder, "adapter_model.safetensors").write_bytes(data)
         # loaded before the gate closes: vLLM checks it (rank, target modules, the file) with
         # nothing drained, and the requests in flight have adapters of their own
-        lora = LoRARequest(f"adapter-{lora_id}", lora_id, folder)
-        try:
-            await asyncio.wait_for(self.llm.add_lora(lora), timeout)
-        except Exception as e:
-            shutil.rmtree(folder)
-            raise ValueError(f"vLLM refused the adapter: {e}") from None
-        self.loras.append(lora)
+        lora = await self.adapters.load(config, data, timeout)
         async with self.gate_closed("drain" if mode == "drain" else None, drain_timeout, timeout):
-            self.lora = lora
+            # the version and the adapter change together: nothing awaits between them
             self.announce(max(self.version + 1, version))
-            await self.remove_old_adapters(keep=self.args.max_loras)
+            await self.adapters.serve(lora, keep=self.args.max_loras)
         return self.version
-
-    async def remove_old_adapters(self, keep):
-        """Remove the adapters older than the newest `keep` that no request in flight uses (vLLM
-        would read one again from its folder); one in use goes at a later update."""
-        for lora in self.loras[: len(self.loras) - keep]:
-            if not self.lora_users[lora]:
-                await self.llm.remove_lora(lora.lora_int_id)
-                shutil.rmtree(lora.lora_path)
-                self.loras.remove(lora)
 
     def fail_for_good(self, why) -> RuntimeError:
         """Mark the engine failed for good (the server then exits); the error for the caller to
@@ -368,6 +336,61 @@ class Engine:
         return await asyncio.wait_for(
             self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5
         )
+
+
+# -- LoRA adapters (--enable-lora) ----------------------------------------------------------------
+class Adapters:
+    """The LoRA adapters loaded in vLLM, oldest first; the one new requests get (None: the base
+    model alone); how many prompts in flight use each: a request keeps the adapter it was admitted
+    with, and so its version, to its end (docs/internals.md#engineupdate_adapter)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.loaded = []
+        self.current = None
+        self.users = collections.Counter()
+        # their folders, in shared memory where there is one, named by our process id; removed as
+        # the process exits
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.folder = tempfile.TemporaryDirectory(prefix=f"async-grpo-{os.getpid()}-", dir=shm)
+        # unique, as vLLM asks of a LoRARequest's id, and an int32 (vLLM's GPU runner keeps the
+        # ids in an int32 tensor): one more than the last
+        self.last_id = 0
+
+    def admit(self, prompts) -> LoRARequest | None:
+        """The adapter that `prompts` new prompts generate with, in use by them until `release`."""
+        self.users[self.current] += prompts
+        return self.current
+
+    def release(self, lora, prompts):
+        self.users[lora] -= prompts
+
+    async def load(self, config, data, timeout) -> LoRARequest:
+        """Load an adapter (PEFT's adapter_config.json, adapter_model.safetensors' bytes) into
+        vLLM, served once `serve` says so; a ValueError where vLLM refuses it."""
+        self.last_id += 1
+        folder = tempfile.mkdtemp(dir=self.folder.name)
+        Path(folder, "adapter_config.json").write_text(json.dumps(config))
+        Path(folder, "adapter_model.safetensors").write_bytes(data)
+        lora = LoRARequest(f"adapter-{self.last_id}", self.last_id, folder)
+        try:
+            await asyncio.wait_for(self.llm.add_lora(lora), timeout)
+        except Exception as e:
+            shutil.rmtree(folder)
+            raise ValueError(f"vLLM refused the adapter: {e}") from None
+        self.loaded.append(lora)
+        return lora
+
+    async def serve(self, lora, keep):
+        """Give new requests `lora` (None: the base model alone), then remove the adapters older
+        than the newest `keep` that no request in flight uses (vLLM would read one again from its
+        folder); one in use goes at a later call."""
+        self.current = lora
+        for old in self.loaded[: len(self.loaded) - keep]:
+            if not self.users[old]:
+                await self.llm.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path)
+                self.loaded.remove(old)
 
 
 # -- the vLLM calls that may change between releases, one small function each ----------------------
@@ -436,19 +459,19 @@ class VersionLabels:
             return
         await outputs_processed(self.llm)
         for r in self.llm.output_processor.request_states.values():
+            tokens = r.detokenizer.num_output_tokens()
             request = self.marks.setdefault(r.external_req_id, {})
-            request.setdefault(r.request_index, []).append(
-                [version, r.detokenizer.num_output_tokens()]
-            )
+            request.setdefault(r.request_index, []).append([version, tokens])
 
     def pop(self, request_id) -> dict:
         """A finished (or cancelled) request's marks, forgotten here."""
         return self.marks.pop(request_id, {})
 
-    def spans(self, c, version, marks) -> list:
+    def spans(self, c, version, marks, lora) -> list:
         """[[version, first token]] of CompletionOutput `c`, admitted at `version`, oldest first;
-        `marks` (pop's) None: a LoRA request, of that version throughout."""
-        if marks is None:
+        `marks`: pop's. A request with a `lora` adapter (Adapters.admit) keeps it, and so its
+        version, throughout (updates label the base weights' versions)."""
+        if lora is not None:
             return [[version, 0]]
         labelled = getattr(c, "weight_versions", None)
         if labelled:
@@ -509,10 +532,8 @@ class WeightSyncWorker:
     # the weight group (nccl, gloo), and the one (daemon) thread that makes them (a ThreadPool)
     group = None
     rendezvous = None
-    # ipc: the last update's buckets, the trainer's buffers opened for them, and their views
-    ipc_buckets = None
-    ipc_buffers = []
-    ipc_received = []
+    # ipc: the views into the trainer's buffers that the last update opened (IpcViews)
+    ipc = None
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         """Join the trainer's weight group within one deadline, `weight_sync_timeout` s, below the
@@ -538,9 +559,7 @@ class WeightSyncWorker:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
         self.transport = None
         self.group = None
-        self.ipc_buckets = None
-        self.ipc_buffers = []
-        self.ipc_received = []
+        self.ipc = None
 
     def receive_weights(self, buckets):
         """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves
@@ -572,15 +591,10 @@ class WeightSyncWorker:
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
         if self.transport == "ipc":
-            # views straight into the trainer's buffer, on this GPU; while the trainer sends the
-            # same handle and layout (its buffer reused), what was opened and unpacked is kept
-            if buckets != self.ipc_buckets:
-                self.ipc_buffers = [open_cuda(b["handle"], b["size"], self.device) for b in buckets]
-                self.ipc_received = []
-                for buffer, b in zip(self.ipc_buffers, buckets):
-                    self.ipc_received += unpack(buffer, b["params"])
-                self.ipc_buckets = buckets
-            return self.ipc_received
+            # views straight into the trainer's buffer, opened again only for other buckets
+            if self.ipc is None or self.ipc.buckets != buckets:
+                self.ipc = IpcViews(buckets, self.device)
+            return self.ipc.views
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device
@@ -630,6 +644,18 @@ class WeightSyncWorker:
 
     def gpu_uuid(self):
         return device_uuid(self.device) if self.device.type == "cuda" else None
+
+
+class IpcViews:
+    """ipc, the worker's side: views straight into the trainer's buffers, on this GPU, opened for
+    one update's `buckets`. They stay valid while the trainer announces the same buckets (its
+    buffer reused: the same handle and layout); the views keep the buffers open."""
+
+    def __init__(self, buckets, device):
+        self.buckets = buckets
+        self.views = []
+        for b in buckets:
+            self.views += unpack(open_cuda(b["handle"], b["size"], device), b["params"])
 
 
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------
@@ -682,17 +708,10 @@ def direct_load(model, weights) -> dict:
     copy unchanged into a slice of one parameter is copied straight there; the rest, and every
     tensor of the first load, go through `model.load_weights` (docs/internals.md#direct-loads)."""
     targets = DIRECT_TARGETS.get(model, {})
-    rest = []
-    direct = ([], [])
-    for name, tensor in weights:
-        if name in targets:
-            direct[0].append(targets[name])
-            direct[1].append(tensor)
-        else:
-            rest.append((name, tensor))
-    # one foreach call for every direct copy (torch's multi-tensor kernel, as its optimizers use)
-    if direct[0]:
-        torch._foreach_copy_(*direct)
+    direct = [(name, tensor) for name, tensor in weights if name in targets]
+    rest = [(name, tensor) for name, tensor in weights if name not in targets]
+    # every direct copy as one call
+    copy_into([targets[name] for name, _ in direct], [tensor for _, tensor in direct])
     if rest:
         with base_layers_in_place(model):
             model.load_weights(rest)
@@ -703,7 +722,7 @@ def direct_load(model, weights) -> dict:
             for name, tensor in weights
             if name in slices and same_tensor(slices[name], tensor)
         }
-    return {"tensors_direct": len(weights) - len(rest), "tensors_load_weights": len(rest)}
+    return {"tensors_direct": len(direct), "tensors_load_weights": len(rest)}
 
 
 def direct_slices(model) -> dict:
@@ -869,6 +888,23 @@ def takes_one_string(tool) -> bool:
 TOOL_THREADS = 16
 
 
+@dataclass
+class EpisodeOptions:
+    """How an episode runs: /rollout's options (docs/http.md), built where a request is parsed
+    (server.rollout_route); RolloutEngine's `options` are the defaults."""
+
+    max_turns: int = 4
+    # the tokens after the prompt, sampled and tool output alike
+    max_episode_tokens: int = 256
+    # the tools it may call (None: every one registered)
+    tools: list | None = None
+    call_start: str = "<tool>"
+    call_end: str = "</tool>"
+    # a tool's answer goes where the {} is: <result>{}</result>, or a chat template's `tool`
+    # message (train.tool_message_format)
+    result_format: str = "<result>{}</result>"
+
+
 @dataclass(eq=False)
 class RolloutEngine:
     """Tool episodes on the shared Engine; each turn is an ordinary engine request. A turn that ends
@@ -876,16 +912,16 @@ class RolloutEngine:
     which may open a call) is a tool call: the text since that `call_start` is "NAME ARGUMENT"; the
     tool's output, wrapped in `result_format`, is tokenised once and appended (docs/http.md). A
     call in the last turn (`max_turns`) is not made: the model would never read its answer. A tool
-    that raises, times out or does not exist answers with an error text; the episode goes on."""
+    that raises, times out or does not exist answers with an error text; the episode goes on. Each
+    episode's options (tags, format, turns) are an EpisodeOptions; `options` are the defaults."""
 
     engine: Engine
     # NAME -> function, besides the built-in `calc`
     tools: dict | None = None
     # NAME -> OpenAI schema, where the function's signature does not tell it (MCP tools)
     schemas: dict | None = None
-    call_start: str = "<tool>"
-    call_end: str = "</tool>"
-    result_format: str = "<result>{}</result>"
+    # the options where a request does not set them (server.rollout_route)
+    options: EpisodeOptions = field(default_factory=EpisodeOptions)
     # seconds a tool call may take
     tool_timeout: float = 10.0
     # the --tool-call-parser's reader of a call between the default tags, in the family's format:
@@ -908,7 +944,8 @@ class RolloutEngine:
     def parse_call(self, call, call_start, call_end) -> tuple[str, str, bool]:
         """A call's text between its tags: (name, argument, whether the argument is a JSON object
         of keyword arguments, as the family's format always writes it)."""
-        if self.read_call and (call_start, call_end) == (self.call_start, self.call_end):
+        defaults = self.options.call_start, self.options.call_end
+        if self.read_call and (call_start, call_end) == defaults:
             found = self.read_call(call_start + call + call_end)
             if found is None:
                 return "", call, True
@@ -952,28 +989,18 @@ class RolloutEngine:
         return await in_daemon_thread(call, self.slots[name])
 
     async def episode(
-        self,
-        prompt,
-        params: SamplingParams,
-        max_turns=4,
-        max_episode_tokens=256,
-        tools=None,
-        call_start=None,
-        call_end=None,
-        result_format=None,
-        k=0,
+        self, prompt, params: SamplingParams, options: EpisodeOptions, k=0
     ) -> Episode:
         """The `k`-th episode of `prompt`; with a seed, each k samples turns of its own."""
-        call_start = call_start or self.call_start
-        call_end = call_end or self.call_end
+        call_start, call_end = options.call_start, options.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
         ep = Episode([], [], [], [], [], "max_turns", [])
         ep.append(ids, logprobs=None)
         async with self.engine.episode():
-            for turn in range(max_turns):
+            for turn in range(options.max_turns):
                 # the tokens left after the prompt, for sampled and tool output alike
-                budget = max_episode_tokens - (len(ep.token_ids) - len(ids))
+                budget = options.max_episode_tokens - (len(ep.token_ids) - len(ids))
                 p = params.clone()
                 p.n = 1
                 p.max_tokens = min(params.max_tokens, budget)
@@ -989,29 +1016,29 @@ class RolloutEngine:
                 if not c.text.endswith(call_end) or call_start not in text:
                     ep.finish_reason = c.finish_reason
                     break
-                if turn == max_turns - 1:
+                if turn == options.max_turns - 1:
                     break
                 call = text[: -len(call_end)].rpartition(call_start)[2]
                 name, argument, keywords = self.parse_call(call, call_start, call_end)
-                result = await self.call_tool(name, argument, tools, keywords)
+                result = await self.call_tool(name, argument, options.tools, keywords)
                 ep.tool_calls.append({"name": name, "argument": argument, "result": result})
                 # the next turn's text starts after the tool's output
                 text = ""
-                if cut := self.append_output(ep, result, budget - len(c.token_ids), result_format):
+                if cut := self.append_output(ep, result, budget - len(c.token_ids), options):
                     ep.finish_reason = cut
                     break
         return ep
 
-    def append_output(self, ep, result, budget, result_format) -> str | None:
-        """Append a tool's `result`, wrapped in `result_format` (its {}) and tokenised, cut to the
-        `budget` of tokens the episode has left and to what the context has: where it is cut, the
-        episode's finish reason ("budget" or "length")."""
+    def append_output(self, ep, result, budget, options) -> str | None:
+        """Append a tool's `result`, wrapped in the episode's `options.result_format` and tokenised,
+        cut to the `budget` of tokens the episode has left and to what the context has: where it is
+        cut, the episode's finish reason ("budget" or "length")."""
         # the next turn's prompt must leave room for a token: vLLM refuses it otherwise
         context = self.engine.llm.model_config.max_model_len - 1 - len(ep.token_ids)
         # a huge answer is cut in characters before it is tokenised (a token is rarely longer
         # than 16 of them), then in tokens
         room = max(0, min(budget, context))
-        before, _, after = (result_format or self.result_format).partition("{}")
+        before, _, after = options.result_format.partition("{}")
         answer = result[: 16 * (room + 1)]
         encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
         # the answer as text (a "<|im_end|>" in it is those characters, not the control token); the
@@ -1022,12 +1049,10 @@ class RolloutEngine:
             return "length"
         return "budget" if len(output) >= budget else None
 
-    async def rollout(self, prompts, params: SamplingParams, *options):
-        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode. `options`:
-        episode's, in its order (max_turns, max_episode_tokens, tools, call_start, call_end,
-        result_format)."""
+    async def rollout(self, prompts, params: SamplingParams, options: EpisodeOptions):
+        """`params.n` episodes per prompt, all concurrently: [prompt][n] Episode."""
         per_prompt = [
-            asyncio.gather(*(self.episode(prompt, params, *options, k=k) for k in range(params.n)))
+            asyncio.gather(*(self.episode(prompt, params, options, k=k) for k in range(params.n)))
             for prompt in prompts
         ]
         return await asyncio.gather(*per_prompt)

@@ -44,7 +44,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers import ToolParserManager
 
 from client import DTYPES, TRANSPORTS, fingerprint, from_base64, load_function, model_error
-from engine import Engine, RolloutEngine, check_encodable, engine_args, openai_tool
+from engine import Engine, EpisodeOptions, RolloutEngine, check_encodable, engine_args, openai_tool
 from local import tiny_model
 from openai_face import expire_sessions, merge, open_session, openai_answer, openai_events, record
 
@@ -55,12 +55,9 @@ SAMPLING_FIELDS |= dict.fromkeys(["presence_penalty", "frequency_penalty"], floa
 SAMPLING_FIELDS |= dict.fromkeys(["ignore_eos", "include_stop_str_in_output"], bool)
 SAMPLING_FIELDS |= {"skip_special_tokens": bool, "stop": [str], "stop_token_ids": [int]}
 # the fields of /generate and /rollout besides the sampling ones: read by add_request() and the
-# routes
+# routes (/rollout's: EpisodeOptions')
 REQUEST_FIELDS = ("prompts", "priority", "min_version", "max_version", "keep_result")
-ROLLOUT_FIELDS = ("tools", "max_turns", "max_episode_tokens", "call_start", "call_end")
-# a tool's answer goes where the {} of result_format is: <result>{}</result>, or a chat template's
-# `tool` message (train.tool_message_format)
-ROLLOUT_FIELDS += ("result_format",)
+ROLLOUT_FIELDS = tuple(EpisodeOptions.__dataclass_fields__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # vLLM's OpenAI server takes its sampling fields too (top_k, min_p, ignore_eos, ...); `logprobs`
 # means something else in OpenAI's shape
@@ -466,8 +463,8 @@ async def generate_route(request):
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
-async def run_rollout(app, prompts, params, *options):
-    episodes = await app[ROLLOUT].rollout(prompts, params, *options)
+async def run_rollout(app, prompts, params, options):
+    episodes = await app[ROLLOUT].rollout(prompts, params, options)
     REQUESTS.inc()
     for per_prompt in episodes:
         COMPLETION_TOKENS.inc(sum(sum(e.loss_mask) for e in per_prompt))
@@ -475,27 +472,26 @@ async def run_rollout(app, prompts, params, *options):
 
 
 async def rollout_route(request):
-    """/rollout: multi-turn tool episodes (RolloutEngine.rollout). A null option takes its
-    default: every registered tool, RolloutEngine's call tags and result format."""
+    """/rollout: multi-turn tool episodes (RolloutEngine.rollout), with EpisodeOptions built here
+    once: an option unset or null takes RolloutEngine.options' value."""
     app = request.app
     body = await read_json(request)
     prompts, params = parse_request(app, body, extra=ROLLOUT_FIELDS)
     rollouts = app[ROLLOUT]
-    given = {k: v for k, v in body.items() if v is not None}
-    max_turns = checked_field(given, "max_turns", int, 4, 1, 100)
-    budget = checked_field(given, "max_episode_tokens", int, 256, 1, app[STATE].flags.max_model_len)
-    # unset: None, every registered tool (and a call of an unknown one says so, not "not available")
-    tools = given.get("tools")
+    given = {k: v for k, v in body.items() if k in ROLLOUT_FIELDS and v is not None}
+    # tools None: every registered tool (and a call of an unknown one says so, not "not available")
+    fields = vars(rollouts.options) | given
+    checked_field(fields, "max_turns", int, low=1, high=100)
+    checked_field(fields, "max_episode_tokens", int, low=1, high=app[STATE].flags.max_model_len)
     if not set(checked_field(given, "tools", [str], [])) <= set(rollouts.tool_names):
         raise ApiError(f"'tools' must be a list of registered tool names: {rollouts.tool_names}")
-    call_start = checked_field(given, "call_start", str, rollouts.call_start)
-    call_end = checked_field(given, "call_end", str, rollouts.call_end)
-    result_format = checked_field(given, "result_format", str, rollouts.result_format)
-    if not call_start or not call_end or "{}" not in result_format:
+    for name in ("call_start", "call_end", "result_format"):
+        checked_field(fields, name, str)
+    options = EpisodeOptions(**fields)
+    if not options.call_start or not options.call_end or "{}" not in options.result_format:
         raise ApiError("'call_start', 'call_end' must be non-empty, 'result_format' hold {}")
     nbytes = await check_room(request)
-    options = (max_turns, budget, tools, call_start, call_end, result_format)
-    request_id = add_request(app, body, run_rollout, prompts, params, *options, nbytes=nbytes)
+    request_id = add_request(app, body, run_rollout, prompts, params, options, nbytes=nbytes)
     return web.json_response({"request_id": request_id}, status=202)
 
 
@@ -967,8 +963,8 @@ def read_family_calls(rollouts, tool_parser):
             return None
         return found.tool_calls[0].function.name, found.tool_calls[0].function.arguments
 
-    rollouts.call_start = start
-    rollouts.call_end = end
+    rollouts.options.call_start = start
+    rollouts.options.call_end = end
     rollouts.read_call = read_call
 
 

@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 from vllm import LLM, SamplingParams  # noqa: E402
 
 import tasks  # noqa: E402
-from engine import Engine, RolloutEngine, engine_args  # noqa: E402
+from engine import Engine, EpisodeOptions, RolloutEngine, engine_args  # noqa: E402
 from local import tiny_model  # noqa: E402
 
 CALL_START, RESULT = "<tool>", "<result>{}</result>"
@@ -184,12 +184,13 @@ def main():
     threading.Thread(target=loop.run_forever, daemon=True).start()
     run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(600)  # noqa: E731
     engine = Engine(args)
-    rollouts = RolloutEngine(
-        engine,
-        tools={"lookup": latency_tool(a.tool_latency)},
+    options = EpisodeOptions(
+        max_turns=a.max_turns,
+        max_episode_tokens=a.max_episode_tokens,
         call_end=a.call_end,
         result_format=RESULT,
     )
+    rollouts = RolloutEngine(engine, tools={"lookup": latency_tool(a.tool_latency)})
     llm = LLM(
         model=model,
         dtype=args.dtype,
@@ -203,7 +204,7 @@ def main():
 
     def asynchronous():
         params = SamplingParams(n=a.n, temperature=1.0, max_tokens=a.max_tokens)
-        results = run(rollouts.rollout(prompts, params, a.max_turns, a.max_episode_tokens))
+        results = run(rollouts.rollout(prompts, params, options))
         return [
             [(e.turns[-1]["text"], len(e.turns), sum(e.loss_mask)) for e in per] for per in results
         ]
