@@ -19,6 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # tests use CUDA in this process (ipc weight sync); an engine started here later must spawn its
 # workers, as CUDA cannot be initialised again in a forked child
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+# One PyTorch thread in this process and in every process it starts (servers, train.py, benches):
+# on a CPU they share a few cores with the engines and with the other xdist worker, and an OpenMP
+# team whose second thread waits for a core is many times slower than one thread (a tiny model's
+# training step, measured on 2 cores beside another such process: 0.4 s with one thread, 16-29 s
+# with two).
+if not torch.cuda.is_available():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 from local import launch_server, stop_server, tiny_model  # noqa: E402
 

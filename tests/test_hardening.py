@@ -587,6 +587,7 @@ def test_openai_sessions_need_the_key_are_bounded_and_expire(strict):
     model = served_name(client)
 
     def call(session_id, key="secret"):
+        OPENED.add(session_id)
         return requests.post(
             client.base_url + "/v1/completions",
             json={"model": model, "prompt": "a", "max_tokens": 1},
@@ -608,7 +609,12 @@ def served_name(client):
     return client._request("GET", "/v1/models")["data"][0]["id"]
 
 
+# the X-Session-ID of each session the tests open on the strict server
+OPENED = set()
+
+
 def session_call(client, session_id, prompt="a", max_tokens=1):
+    OPENED.add(session_id)
     return requests.post(
         client.base_url + "/v1/completions",
         json={"model": served_name(client), "prompt": prompt, "max_tokens": max_tokens},
@@ -619,9 +625,14 @@ def session_call(client, session_id, prompt="a", max_tokens=1):
 
 @pytest.fixture
 def fresh_sessions(strict):
-    """The strict server with no session left open by an earlier test (--session-ttl 2)."""
-    time.sleep(2.5)
-    return strict[1]
+    """The strict server with no session left open by an earlier test: each one deleted (that
+    sessions expire is test_openai_sessions_need_the_key_are_bounded_and_expire's)."""
+    client = strict[1]
+    for session_id in OPENED:
+        url = f"{client.base_url}/v1/sessions/{session_id}"
+        # 404: expired already
+        assert requests.delete(url, headers=client.headers, timeout=30).status_code in (200, 404)
+    return client
 
 
 def test_a_session_is_bounded_in_tokens(fresh_sessions):
