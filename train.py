@@ -1170,10 +1170,7 @@ def warm_start(base, path, cfg, each=None):
         rows = TASKS[cfg.task].warm_start_data(64, rng.random())
         # addition: any sum 0..8
         answers = [r.get("solution") or str(rng.randrange(9)) for r in rows]
-        # a conversational row as the chat template renders it, as the server will be sent it
-        prompt_ids = [tok(rendered_prompt(r, chat)).input_ids for r in rows]
-        answer_ids = [tok(a).input_ids + [tok.eos_token_id] for a in answers]
-        batch = make_batch(prompt_ids, answer_ids, tok.pad_token_id)
+        batch = warm_start_batch(rows, answers, tok, chat)
         with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.bf16):
             logprobs = token_logprobs(model, batch)
         loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
@@ -1185,6 +1182,15 @@ def warm_start(base, path, cfg, each=None):
             each(step, model, tok)
     save_model(model.cpu(), tok, path)
     return path
+
+
+def warm_start_batch(rows, answers, tok, cfg):
+    """The warm start's batch of `rows` and their `answers`: each prompt as the server is sent it
+    (a conversational row rendered by the chat template of cfg.model), then its answer and
+    end-of-text, the answer's tokens the ones trained on."""
+    prompt_ids = [tok(rendered_prompt(row, cfg)).input_ids for row in rows]
+    answer_ids = [tok(answer).input_ids + [tok.eos_token_id] for answer in answers]
+    return make_batch(prompt_ids, answer_ids, tok.pad_token_id)
 
 
 # -- the data: --dataset's rows, or the task's (tasks.py) ------------------------------------------

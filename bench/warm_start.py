@@ -89,6 +89,8 @@ def main():
         max_tokens=args.max_tokens,
     )
     base, final = train.builtin_folders(cfg)
+    # the base model's chat template renders a conversational row's prompt, as in the warm start
+    chat = dataclasses.replace(cfg, model=base)
     _, held_out = train.load_data(cfg)
     rewards = train.Rewards(cfg)
     start = time.time()
@@ -98,10 +100,10 @@ def main():
             return
         _, path = train.builtin_folders(dataclasses.replace(cfg, warm_start_steps=step))
         if args.reference:
-            sampled = reference(model, tok, held_out, cfg)
+            sampled = reference(model, tok, held_out, chat)
             measured = f"p_reference={sampled:.3f}"
         else:
-            sampled, greedy = accuracy(model, tok, held_out, rewards, args.max_tokens, cfg)
+            sampled, greedy = accuracy(model, tok, held_out, rewards, args.max_tokens, chat)
             measured = f"pass@1={sampled:.3f} greedy={greedy:.3f}"
         seconds = time.time() - start
         print(f"warm start {step}: {measured} ({seconds:.0f} s) {path}", flush=True)
@@ -124,24 +126,21 @@ def main():
 
 
 @torch.no_grad()
-def reference(model, tok, rows, cfg):
+def reference(model, tok, rows, chat):
     """The mean over `rows` of the probability that a sample at temperature 1 writes the row's
-    worked "solution" token for token: pass@1 where that solution is the only exact answer."""
-    chat = dataclasses.replace(cfg, model=tok.name_or_path)
-    prompt_ids = [tok(train.rendered_prompt(row, chat)).input_ids for row in rows]
-    solution_ids = [tok(row["solution"]).input_ids + [tok.eos_token_id] for row in rows]
-    batch = train.make_batch(prompt_ids, solution_ids, tok.pad_token_id)
+    worked "solution" token for token: pass@1 where that solution is the only exact answer.
+    `chat`: train.Config with the base model, whose chat template renders the prompts."""
+    batch = train.warm_start_batch(rows, [row["solution"] for row in rows], tok, chat)
     with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type != "cpu"):
         logprobs = train.token_logprobs(model, batch)
     return (logprobs * batch["mask"].to(logprobs.device)).sum(1).float().exp().mean().item()
 
 
 @torch.no_grad()
-def accuracy(model, tok, rows, rewards, max_tokens, cfg, n=8):
-    """(pass@1 of n samples at temperature 1, greedy's exact accuracy) on `rows`."""
+def accuracy(model, tok, rows, rewards, max_tokens, chat, n=8):
+    """(pass@1 of n samples at temperature 1, greedy's exact accuracy) on `rows`, their prompts
+    rendered as `reference`'s."""
     model.eval()
-    # a conversational row as the chat template renders it
-    chat = dataclasses.replace(cfg, model=tok.name_or_path)
     prompts = [train.rendered_prompt(row, chat) for row in rows]
     tok.padding_side = "left"
     batch = tok(prompts, return_tensors="pt", padding=True).to(model.device)
