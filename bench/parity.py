@@ -397,14 +397,16 @@ def step_times(curves, histories):
 
 def against_trl(path, histories):
     """TRL colocate's seconds per step on the same workload (bench/trl_gpu.py's log at `path`,
-    after its warm-up steps) beside our one step stale (in-flight K=1) seconds per step."""
+    after its --warmup steps) beside our one step stale (in-flight K=1) seconds per step."""
     with open(path) as f:
-        results = [json.loads(line.split(" ", 1)[1]) for line in f if line.startswith("RESULT {")]
+        lines = f.readlines()
+    results = [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith("RESULT {")]
     trl = next((r for r in results if r["name"] == "TRL colocate"), None)
     if trl is None:
         return f"\nno TRL colocate result in {path}"
-    # bench/trl_gpu.py's default warm-up: its first 2 steps (vLLM's and the kernels' first use)
-    theirs = trl["step_s"][2:]
+    # the run's flags, a JSON line of its log; its --warmup (default 2) first steps left out
+    flags = next((json.loads(line) for line in lines if line.startswith('{"')), {})
+    theirs = trl["step_s"][flags.get("warmup", 2) :]
     ours = [training_seconds(row) for run in histories.get("in-flight K=1", []) for row in run]
     line = f"\nTRL colocate on this workload ({path}): {spread(theirs)} s per step"
     if not ours:

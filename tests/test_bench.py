@@ -75,14 +75,11 @@ def parity(server, tmp_path, *flags):
 def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_time_to_target(
     server, tmp_path, restore_weights
 ):
-    # TRL's side, as bench/trl_gpu.py logs it (TRL is not installed here): 2 warm-up steps left out
-    trl = {
-        "side": "TRL",
-        "layout": "1 GPU",
-        "name": "TRL colocate",
-        "step_s": [9, 9, 2.0, 2.2, 2.6],
-    }
-    (tmp_path / "trl.log").write_text("TRL colocate ...\nRESULT " + json.dumps(trl) + "\n")
+    # TRL's side, as bench/trl_gpu.py logs it (TRL is not installed here): its flags, then its
+    # result, the steps of its --warmup left out
+    trl = {"side": "TRL", "layout": "1 GPU", "name": "TRL colocate", "step_s": [9, 2.0, 2.2, 2.6]}
+    log = json.dumps({"warmup": 1}) + "\nTRL colocate ...\nRESULT " + json.dumps(trl) + "\n"
+    (tmp_path / "trl.log").write_text(log)
     flags = ("--schedules", "sync-batch,in-flight K=1", "--trl-log", str(tmp_path / "trl.log"))
     run = parity(server, tmp_path, *flags)
     assert run.returncode == 0, run.stderr[-3000:]
