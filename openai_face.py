@@ -157,7 +157,7 @@ def merge(calls) -> tuple[dict | None, str | None]:
         {"text": c["text"], "version": c["weight_version"], "finish_reason": c["finish_reason"]}
         for c in calls
     ]
-    episode = Episode([], [], [], turns, [], turns[-1]["finish_reason"], versions=[])
+    episode = Episode(turns=turns, finish_reason=turns[-1]["finish_reason"], versions=[])
     for i, call in enumerate(calls):
         prompt = call["prompt_token_ids"]
         if prompt[: len(episode.token_ids)] != episode.token_ids:

@@ -673,43 +673,49 @@ IPC_HANDLE |= {"event": (str, type(None)), "event_sync": bool}
 
 
 def check_buckets(body, state) -> list:
-    """The body's `buckets`, or a 400 before anything is received or loaded: every parameter of
-    the server's once (vLLM reloads whole fused layers: a partial update would load garbage), by
-    its name, shape and dtype, at 16-byte aligned offsets that neither overlap nor leave their
-    bucket; with ipc, each bucket with its handle (check_handle)."""
+    """The body's `buckets`, or a 400 before anything is received or loaded: each parameter of the
+    server's once (check_param); with ipc, each bucket with its handle (check_handle)."""
     buckets = checked_field(body, "buckets", [dict])
     if not buckets:
         raise ApiError("'buckets' must be a non-empty list of {size, params}")
-    spec = state.weight_spec
     seen = set()
     for bucket in buckets:
         size = checked_field(bucket, "size", int)
         end = 0
         for param in checked_field(bucket, "params", [dict]):
-            name = checked_field(param, "name", str)
-            if name not in spec:
-                raise ApiError(f"unknown parameter '{name}'")
-            if name in seen:
-                raise ApiError(f"repeated parameter '{name}'")
-            seen.add(name)
-            if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
-                raise ApiError(
-                    f"'{name}' has shape {param.get('shape')} and dtype {param.get('dtype')}; "
-                    f"the server's are {spec[name]} and {state.dtype}"
-                )
-            offset = checked_field(param, "offset", int)
-            nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
-            if offset < end or offset % 16 or offset + nbytes > size:
-                raise ApiError(
-                    f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not "
-                    f"fit its bucket of {size} bytes"
-                )
-            end = offset + nbytes
+            end = check_param(param, state, seen, end, size)
         check_handle(bucket.get("handle"), state.transport, size)
-    missing = sorted(set(spec) - seen)
+    # vLLM reloads whole fused layers: a partial update would load garbage
+    missing = sorted(set(state.weight_spec) - seen)
     if missing:
         raise ApiError(f"an update needs every parameter; missing {len(missing)}: {missing[:5]}")
     return buckets
+
+
+def check_param(param, state, seen, end, size) -> int:
+    """A parameter of the server's not `seen` before, by its name, shape and dtype, at a 16-byte
+    aligned offset after the last one's `end` that does not leave its bucket of `size` bytes, or a
+    400; where it ends."""
+    spec = state.weight_spec
+    name = checked_field(param, "name", str)
+    if name not in spec:
+        raise ApiError(f"unknown parameter '{name}'")
+    if name in seen:
+        raise ApiError(f"repeated parameter '{name}'")
+    seen.add(name)
+    if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
+        raise ApiError(
+            f"'{name}' has shape {param.get('shape')} and dtype {param.get('dtype')}; "
+            f"the server's are {spec[name]} and {state.dtype}"
+        )
+    offset = checked_field(param, "offset", int)
+    nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
+    if offset < end or offset % 16 or offset + nbytes > size:
+        raise ApiError(
+            f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not fit its "
+            f"bucket of {size} bytes"
+        )
+    return offset + nbytes
 
 
 def check_handle(handle, transport, size):

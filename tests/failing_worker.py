@@ -5,7 +5,7 @@ runs it in its vLLM workers (tests/test_weight_sync.py)."""
 
 import os
 
-from engine import WeightSyncWorker, load_weights
+from engine import WeightSyncWorker
 
 
 class FailingLoadWorker(WeightSyncWorker):
@@ -15,6 +15,6 @@ class FailingLoadWorker(WeightSyncWorker):
     def load(self, received):
         self.loads += 1
         if self.loads == int(os.environ["ASYNC_GRPO_FAIL_LOAD"]):
-            load_weights(self.model_runner, received[: len(received) // 2])
+            super().load(received[: len(received) // 2])
             raise RuntimeError("ASYNC_GRPO_FAIL_LOAD: failed after half the tensors")
         return super().load(received)

