@@ -5,7 +5,7 @@
 
 In reading order:
 1. `Engine`: requests become futures; every `Completion` carries the weight `version` that produced
-   it. `update_weights` runs an update in its phases: `gate_closed` closes the gate and drains
+   it. An update runs in phases (server.run_update): `gate_closed` closes the gate and drains
    (or pauses) the requests in flight; `load` has every worker receive the buckets, then load
    them; `bump` labels the new version; leaving `gate_closed` reopens the gate. An update is
    atomic: it bumps the version, or keeps the old weights and version, or the engine fails for
@@ -195,23 +195,11 @@ class Engine:
         )
         return [out async for out in stream][-1]
 
-    async def update_weights(
-        self, buckets, ready, mode="drain", weight_sync_timeout=60.0, drain_timeout=60.0, version=0
-    ):
-        """Load new weights in every worker and bump the version; returns it and the timings.
-        `ready` is resolved once the workers are told to receive. `mode` "drain" or "in-flight":
-        docs/internals.md#engineupdate_weights."""
-        async with self.gate_closed(mode, drain_timeout, weight_sync_timeout) as drain_s:
-            # the workers are told to receive next: the trainer may send
-            ready.set_result(None)
-            version, timings = await self.load(buckets, weight_sync_timeout, version)
-        return version, {"drain_s": drain_s, **timings}
-
     @asynccontextmanager
     async def gate_closed(self, mode, drain_timeout, timeout):
-        """One update at a time: close the gate, drain or pause the requests in flight (`mode`, as
-        in update_weights; None: neither) and yield the seconds that took; on the way out, resume
-        the paused requests and reopen the gate."""
+        """An update's first phase, one at a time: close the gate, drain or pause the requests in
+        flight (`mode` "drain" or "in-flight", docs/internals.md#an-update; None: neither) and
+        yield the seconds that took; on the way out, resume them and reopen the gate."""
         async with self.update_lock:
             self.gate.clear()
             self.updating = mode
@@ -268,13 +256,8 @@ class Engine:
         """Make the loaded weights `version`: drop the KV of the requests `paused` in flight (the
         old weights'), label what is sampled from now on, wake those waiting for the version."""
         try:
-            # vLLM drops the paused requests' KV (and the prefix cache) and computes it again with
-            # the new weights (0.26 and 0.32 alike). It costs a loop over every KV block in Python
-            # (~0.1 s for 2.6M blocks): updates with nothing paused need none, as the prefix cache
-            # is keyed by version (Engine._one).
-            if paused and not await asyncio.wait_for(
-                self.llm.reset_prefix_cache(reset_running_requests=True), timeout
-            ):
+            # updates with nothing paused need none: the prefix cache is keyed by version (_one)
+            if paused and not await asyncio.wait_for(drop_paused_kv(self.llm), timeout):
                 raise RuntimeError("vLLM's reset_prefix_cache returned False")
             await asyncio.wait_for(self.labels.label(version), timeout)
         except Exception as e:
@@ -421,6 +404,13 @@ def pause_in_place(llm):
     # that outputs already sent are likely processed. We ask its engine core, and
     # VersionLabels.label waits for those outputs where it needs them
     return llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+
+def drop_paused_kv(llm):
+    """Drop the KV of the requests paused in flight (and the prefix cache), for vLLM to compute it
+    again with the new weights; whether it did."""
+    # 0.26 and 0.32 alike. It costs a loop over every KV block in Python (~0.1 s for 2.6M blocks)
+    return llm.reset_prefix_cache(reset_running_requests=True)
 
 
 def final_output_params(params: SamplingParams) -> SamplingParams:
@@ -595,10 +585,9 @@ class WeightSyncWorker:
     def load(self, received) -> dict:
         """Load the received [(name, tensor)] into the running model, in place: how many tensors
         went each way (tests/failing_worker.py's subclass fails here part-way)."""
-        model = self.model_runner.get_model()
         # GPU: copied into the existing parameters, where CUDA graphs read them
-        if next(model.parameters()).is_cuda:
-            self.direct = self.direct or DirectLoads(model)
+        if self.device.type == "cuda":
+            self.direct = self.direct or DirectLoads(self.model_runner.get_model())
             return self.direct.load(received)
         return reload_on_cpu(self.model_runner, received)
 

@@ -455,11 +455,10 @@ async def generate_route(request):
     bodies = [{**body, "prompts": [p]} for p in prompts] if split else [body]
     nbytes = await check_room(request, len(bodies))
     priority = body.get("priority", 0)
-    ids = []
-    for one in bodies:
-        ids.append(
-            add_request(app, one, run_completions, one["prompts"], params, priority, nbytes=nbytes)
-        )
+    ids = [
+        add_request(app, one, run_completions, one["prompts"], params, priority, nbytes=nbytes)
+        for one in bodies
+    ]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
 
@@ -673,18 +672,14 @@ IPC_HANDLE |= {"event": (str, type(None)), "event_sync": bool}
 
 
 def check_buckets(body, state) -> list:
-    """The body's `buckets`, or a 400 before anything is received or loaded: each parameter of the
-    server's once (check_param); with ipc, each bucket with its handle (check_handle)."""
+    """The body's `buckets`, or a 400 before anything is received or loaded: every parameter of
+    the server's once, each bucket well formed (check_bucket)."""
     buckets = checked_field(body, "buckets", [dict])
     if not buckets:
         raise ApiError("'buckets' must be a non-empty list of {size, params}")
     seen = set()
     for bucket in buckets:
-        size = checked_field(bucket, "size", int)
-        end = 0
-        for param in checked_field(bucket, "params", [dict]):
-            end = check_param(param, state, seen, end, size)
-        check_handle(bucket.get("handle"), state.transport, size)
+        check_bucket(bucket, state, seen)
     # vLLM reloads whole fused layers: a partial update would load garbage
     missing = sorted(set(state.weight_spec) - seen)
     if missing:
@@ -692,30 +687,34 @@ def check_buckets(body, state) -> list:
     return buckets
 
 
-def check_param(param, state, seen, end, size) -> int:
-    """A parameter of the server's not `seen` before, by its name, shape and dtype, at a 16-byte
-    aligned offset after the last one's `end` that does not leave its bucket of `size` bytes, or a
-    400; where it ends."""
+def check_bucket(bucket, state, seen):
+    """A bucket's parameters, each of the server's and not `seen` before, by its name, shape and
+    dtype, at 16-byte aligned offsets that neither overlap nor leave the bucket; with ipc, the
+    bucket's handle (check_handle); or a 400."""
     spec = state.weight_spec
-    name = checked_field(param, "name", str)
-    if name not in spec:
-        raise ApiError(f"unknown parameter '{name}'")
-    if name in seen:
-        raise ApiError(f"repeated parameter '{name}'")
-    seen.add(name)
-    if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
-        raise ApiError(
-            f"'{name}' has shape {param.get('shape')} and dtype {param.get('dtype')}; "
-            f"the server's are {spec[name]} and {state.dtype}"
-        )
-    offset = checked_field(param, "offset", int)
-    nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
-    if offset < end or offset % 16 or offset + nbytes > size:
-        raise ApiError(
-            f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not fit its "
-            f"bucket of {size} bytes"
-        )
-    return offset + nbytes
+    size = checked_field(bucket, "size", int)
+    end = 0
+    for param in checked_field(bucket, "params", [dict]):
+        name = checked_field(param, "name", str)
+        if name not in spec:
+            raise ApiError(f"unknown parameter '{name}'")
+        if name in seen:
+            raise ApiError(f"repeated parameter '{name}'")
+        seen.add(name)
+        if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
+            raise ApiError(
+                f"'{name}' has shape {param.get('shape')} and dtype {param.get('dtype')}; "
+                f"the server's are {spec[name]} and {state.dtype}"
+            )
+        offset = checked_field(param, "offset", int)
+        nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
+        if offset < end or offset % 16 or offset + nbytes > size:
+            raise ApiError(
+                f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not fit its "
+                f"bucket of {size} bytes"
+            )
+        end = offset + nbytes
+    check_handle(bucket.get("handle"), state.transport, size)
 
 
 def check_handle(handle, transport, size):
@@ -786,22 +785,23 @@ def update_mode(body) -> tuple[str, int]:
     """An update's `mode` and `version`, or a 400."""
     mode = body.get("mode", "drain")
     if mode not in ("drain", "in-flight"):
-        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.update_weights)")
+        raise ApiError("'mode' must be 'drain' or 'in-flight' (see Engine.gate_closed)")
     # the version the new weights get, if higher than the next one: a trainer keeps several
     # servers on one numbering, one of them restarted (its count began again at 0)
     return mode, checked_field(body, "version", int, 0, 0, 2**53)
 
 
 async def run_update(app, buckets, mode, ready, version) -> dict:
-    """Engine.update_weights, and its outcome as the answer's last line. It raises only while the
-    update can still be refused: before `ready` is resolved."""
+    """An update's phases, `ready` resolved when the trainer may send; the outcome as the answer's
+    last line. It raises only while the update can still be refused: before `ready` is resolved."""
     engine = app[ENGINE]
-    flags = app[STATE].flags
+    timeout = app[STATE].flags.weight_sync_timeout
     start = time.perf_counter()
     try:
-        version, timings = await engine.update_weights(
-            buckets, ready, mode, flags.weight_sync_timeout, flags.drain_timeout, version
-        )
+        async with engine.gate_closed(mode, app[STATE].flags.drain_timeout, timeout) as drain_s:
+            # the workers are told to receive next: the trainer may send
+            ready.set_result(None)
+            version, timings = await engine.load(buckets, timeout, version)
     except Exception as e:
         if not ready.done():
             raise
@@ -814,7 +814,7 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
         return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
     app[STATE].fingerprint = timings["fingerprint"]
-    return {"version": version, **timings}
+    return {"version": version, "drain_s": drain_s, **timings}
 
 
 async def update_adapter(request):
