@@ -285,8 +285,7 @@ def pack(named, bucket_bytes, dtype=None):
 def fill_bucket(buffer, bucket, tensors):
     """Copy a bucket's tensors into `buffer` at their announced offsets, cast to their announced
     dtype on the way (one pass over each tensor, no copy of it in the server's dtype)."""
-    for (_, view), t in zip(unpack(buffer, bucket["params"]), tensors):
-        view.copy_(t)
+    copy_into([view for _, view in unpack(buffer, bucket["params"])], tensors)
 
 
 def copy_into(targets, sources):
@@ -588,11 +587,10 @@ class Client(AbortsOnError):
         self._drop_group()
         port = info["group_port"]
         world_size = 1 + info["workers"]
-        body = {"transport": transport}
+        # ipc needs no group: the server checks that we are on its GPU
+        body = {"transport": transport, "host": host, "world_size": world_size}
         if transport == "ipc":
             body["gpu"] = device_uuid(self.device)
-        else:
-            body |= {"host": host, "world_size": world_size}
         # the server's workers join the group while we host its store (rank 0): the request runs
         # on a thread, with a session of its own (a requests.Session is not thread-safe)
         wait = weight_sync_timeout + 30

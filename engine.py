@@ -235,10 +235,10 @@ class Engine:
         start = time.perf_counter()
         # requests still in flight now were paused mid-way (in-flight mode; a drain leaves none)
         paused = self.in_flight > 0
+        # each bucket may take the whole timeout
+        limit = timeout * (1 + len(buckets))
         try:
-            answers = await self.llm.collective_rpc(
-                "receive_weights", timeout=timeout * (1 + len(buckets)), args=(buckets,)
-            )
+            answers = await self.rpc("receive_weights", buckets, timeout=limit)
         except Exception as e:
             raise self.fail_for_good(f"a worker did not answer the update: {e!r}") from None
         missed = [a["receive_error"] for a in answers if "receive_error" in a]
@@ -549,7 +549,7 @@ class WeightSyncWorker:
             self.rendezvous = self.rendezvous or ThreadPool(1)
             self.group = self.rendezvous.apply_async(weight_group, options).get(weight_sync_timeout)
         self.transport = transport
-        self.ipc = IpcViews(self.device) if transport == "ipc" else None
+        self.ipc = IpcViews() if transport == "ipc" else None
         self.weight_sync_timeout = weight_sync_timeout
 
     def close_communicator(self):
@@ -594,7 +594,7 @@ class WeightSyncWorker:
     def receive(self, buckets):
         """[(name, tensor)] of every bucket, on this worker's device."""
         if self.ipc:
-            return self.ipc.open(buckets)
+            return self.ipc.open(buckets, self.device)
         received = []
         # gloo receives into CPU buffers, NCCL into GPU ones
         device = "cpu" if self.transport == "gloo" else self.device
@@ -651,18 +651,16 @@ class IpcViews:
     the trainer announces the same buckets (its buffer, handle and layout reused); the views keep
     the buffers open (the trainer's twin: client.IpcBuffer)."""
 
-    def __init__(self, device):
-        self.device = device
-        self.buckets = None
-        self.views = None
+    # the buckets the views were opened for
+    buckets = None
 
-    def open(self, buckets) -> list:
-        """[(name, view)] of every bucket, opened again only for other buckets."""
+    def open(self, buckets, device) -> list:
+        """[(name, view)] of every bucket, on `device`, opened again only for other buckets."""
         if self.buckets != buckets:
             # the old views, and so the old buffers, closed first
-            self.buckets, self.views = None, []
+            self.views = []
             for b in buckets:
-                self.views += unpack(open_cuda(b["handle"], b["size"], self.device), b["params"])
+                self.views += unpack(open_cuda(b["handle"], b["size"], device), b["params"])
             self.buckets = buckets
         return self.views
 

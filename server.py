@@ -512,12 +512,9 @@ def requested_tasks(app, body) -> dict:
         ids = [checked_field(body, "request_id", str)]
     elif "prompts" in body:
         key = args_key(body)
-        ids = []
         # the oldest with these arguments that no other caller is waiting for
-        for request_id, (_, k, _) in state.tasks.items():
-            if k == key and request_id not in state.waiting:
-                ids = [request_id]
-                break
+        same = [i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting]
+        ids = same[:1]
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}
@@ -691,23 +688,22 @@ def check_bucket(bucket, state, seen):
     """A bucket's parameters, each of the server's and not `seen` before, by its name, shape and
     dtype, at 16-byte aligned offsets that neither overlap nor leave the bucket; with ipc, the
     bucket's handle (check_handle); or a 400."""
-    spec = state.weight_spec
     size = checked_field(bucket, "size", int)
     end = 0
     for param in checked_field(bucket, "params", [dict]):
         name = checked_field(param, "name", str)
-        if name not in spec:
+        if name not in state.weight_spec:
             raise ApiError(f"unknown parameter '{name}'")
         if name in seen:
             raise ApiError(f"repeated parameter '{name}'")
         seen.add(name)
-        if param.get("shape") != spec[name] or param.get("dtype") != state.dtype:
+        if param.get("shape") != state.weight_spec[name] or param.get("dtype") != state.dtype:
             raise ApiError(
                 f"'{name}' has shape {param.get('shape')} and dtype {param.get('dtype')}; "
-                f"the server's are {spec[name]} and {state.dtype}"
+                f"the server's are {state.weight_spec[name]} and {state.dtype}"
             )
         offset = checked_field(param, "offset", int)
-        nbytes = DTYPES[state.dtype].itemsize * math.prod(spec[name])
+        nbytes = DTYPES[state.dtype].itemsize * math.prod(state.weight_spec[name])
         if offset < end or offset % 16 or offset + nbytes > size:
             raise ApiError(
                 f"'{name}' at offset {offset} is not 16-byte aligned, overlaps or does not fit its "
