@@ -14,8 +14,9 @@ Weight transports: `ipc` when the trainer's tensors are on the server's own GPU 
 no copy through the host), `nccl` when they are on another GPU, `gloo` when they are on the CPU.
 The weight wire format lives here, both ends of it: the group (`weight_group`, `broadcast`,
 `wait_broadcast`, `close_group`), the packed buckets (`pack`, `fill_bucket`, `unpack`, `copy_into`)
-and CUDA IPC handles (`share_cuda`, `open_cuda`). The trainer writes it from here; the server's
-workers (engine.WeightSyncWorker) read it from here too, so that a trainer needs no vLLM.
+and CUDA IPC handles (`share_cuda`, `open_cuda`; the trainer's buffer: `IpcBuffer`). The trainer
+writes it from here; the server's workers (engine.WeightSyncWorker) read it from here too, so that
+a trainer needs no vLLM.
 """
 
 import base64
@@ -284,7 +285,7 @@ def pack(named, bucket_bytes, dtype=None):
 
 def fill_bucket(buffer, bucket, tensors):
     """Copy a bucket's tensors into `buffer` at their announced offsets, cast to their announced
-    dtype on the way (one pass over each tensor, no copy of it in the server's dtype)."""
+    dtype on the way (one pass over each tensor, no copy of it in the server's dtype; one call)."""
     copy_into([view for _, view in unpack(buffer, bucket["params"])], tensors)
 
 
@@ -587,7 +588,7 @@ class Client(AbortsOnError):
         self._drop_group()
         port = info["group_port"]
         world_size = 1 + info["workers"]
-        # ipc needs no group: the server checks that we are on its GPU
+        # the group's host and size (ipc needs no group), and ipc's GPU, which the server checks
         body = {"transport": transport, "host": host, "world_size": world_size}
         if transport == "ipc":
             body["gpu"] = device_uuid(self.device)

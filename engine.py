@@ -11,7 +11,8 @@ In reading order:
    atomic: it bumps the version, or keeps the old weights and version, or the engine fails for
    good and the server exits. With --enable-lora, `update_adapter` serves a LoRA adapter as the
    next version instead, and each request keeps the adapter it was admitted with (`Adapters`).
-2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes.
+2. `WeightSyncWorker`: the worker side of an update, inside vLLM's worker processes (its views of
+   the trainer's ipc buffer: `IpcViews`; its loads on a GPU: `DirectLoads`).
 3. `RolloutEngine`: multi-turn tool episodes (generate -> tool call -> generate ...) on the same
    engine.
 Each vLLM call that may change between releases is one small function next to its user.
