@@ -93,7 +93,7 @@ def test_pushed_weights_give_transformers_greedy_tokens_and_versions(trainer, hf
     assert trainer.update_model_params(model.state_dict(), bucket_mb=1) == v0 + 2
     assert server_greedy(trainer) == (original, {v0 + 2})
     # the update says how each tensor loaded: on a GPU, from the second update on, most straight
-    # into vLLM's parameters (engine.direct_load); on the CPU all through vLLM's loader
+    # into vLLM's parameters (engine.DirectLoads); on the CPU all through vLLM's loader
     loaded = trainer.last_update
     sent = len(dict(model.named_parameters()))
     assert loaded["tensors_direct"] + loaded["tensors_load_weights"] == sent
