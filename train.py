@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from statistics import mean
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -130,7 +131,6 @@ class Config:
     update_mode: str = flag("drain", "a push and the requests in flight", ["drain", "in-flight"])
     is_cap: float = flag(2.0, "cap of the importance weights of stale tokens (TIS)")
     mismatch_warning: float = flag(0.05, "mean trainer-server logprob difference that warns")
-    mismatch_every: int = flag(10, "measure the mismatch on every sample every K steps", at_least=1)
     # LoRA
     lora_rank: int = flag(0, "R: train a LoRA adapter of rank R (0: every weight)", at_least=0)
     lora_alpha: int = flag(0, "LoRA scale alpha / R (0: alpha = 2R)", at_least=0)
@@ -303,15 +303,14 @@ def train(cfg: Config, client: Client, data=None):
                 # on the weights this step samples; a step that loses the server goes without
                 evaluation = sampler.unless_lost(evaluate, client, held_out, cfg)
             # this is where the overlap happens: micro-batches train while the rest still generate
-            stats = step_gradient(sampler, policy, tok, step - start)
-            sampled_version = sampler.version
+            stats = step_gradient(sampler, policy, tok, measure_all=step == start)
             # the optimizer steps and step s+1+K is queued, together (a stop between leaves none)
             sampler.advance(policy, stats, rng, data, step)
-            with timed(stats["sync"]):
+            with timed(stats.sync):
                 sampler.unless_lost(sampler.push, policy.weights(cfg.dtype))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, policy, tok, step + 1, rng, sampler)
-            row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
+            row = step_metrics(step, stats, cfg, t_step, t_run, evaluation)
             warn_first_step(row, cfg)
             run_log.log(row)
             show_progress(bar, row)
@@ -412,7 +411,8 @@ class Sampler:
         """Step the optimizer on step s's gradient and queue step s+1+K (submit_next). Between the
         two the weights and the queue disagree: a stop there leaves no checkpoint (next_step)."""
         self.next_step = None
-        policy.step(stats)
+        with timed(stats.train):
+            stats.grad_norm = policy.step(loss_divisor(stats.samples, self.cfg))
         self.submit_next(rng, data, step)
 
     def submit_next(self, rng, data, step):
@@ -451,11 +451,9 @@ class Sampler:
         self.version = pushed
 
 
-def step_gradient(sampler, policy, tok, steps_done):
+def step_gradient(sampler, policy, tok, measure_all):
     """Accumulate the oldest queued step's gradient (accumulate_step), starting over if the server
-    is lost meanwhile (at most 3 times); at this process's first step and every --mismatch-every
-    steps the mismatch is measured on every sample. Returns the step's statistics."""
-    measure_all = steps_done % sampler.cfg.mismatch_every == 0
+    is lost meanwhile (at most 3 times). Returns its StepStats."""
     for _ in range(3):
         stats = sampler.unless_lost(accumulate_step, sampler, policy, tok, measure_all)
         if stats is not None:
@@ -472,56 +470,55 @@ def timed(intervals):
     intervals.append([start, time.time()])
 
 
+@dataclass
+class StepStats:
+    """A step's record for its metrics (step_metrics): its rows, samples and each micro-batch's
+    Backward, the FLOPs, the gradient's norm, and [start, end] intervals
+    (time.time()) of its phases: generating, training, pushing."""
+
+    rows: list
+    # the version of our weights that the step trains
+    version: int
+    samples: list = field(default_factory=list)
+    backwards: list = field(default_factory=list)
+    # (computed, useful): backward_flops'
+    flops: torch.Tensor = 0
+    grad_norm: float = 0.0
+    gen: list = field(default_factory=list)
+    train: list = field(default_factory=list)
+    sync: list = field(default_factory=list)
+
+
 def accumulate_step(sampler, policy, tok, measure_all):
     """Collect the oldest queued step's samples and accumulate each micro-batch's gradient as it
-    lands, its versions checked. Returns the step's statistics and phases' intervals."""
+    lands, its versions checked; with `measure_all` the mismatch is measured on every sample."""
     cfg = sampler.cfg
     # steps 0..K at the start, and the steps a lost server held (Sampler.submit_next)
     sampler.submit_queued(sampler.version)
     queued = sampler.queue[0]
-    version = sampler.version
-    tensors = collections.defaultdict(list)
-    stats = {"divisor": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
-    # which prompts the step trained on, in a number: runs compare their steps by it
-    stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
+    stats = StepStats(queued.rows, sampler.version)
     rewards = Rewards(cfg)
     # outputs: [prompt][G] Completion or Episode
     for rows, outputs, times in collect(sampler.client, queued.rows, queued.requests, cfg):
-        stats["gen"].append([min(t["started"] for t in times), max(t["finished"] for t in times)])
+        stats.gen.append([min(t["started"] for t in times), max(t["finished"] for t in times)])
         # the trainer waited for this micro-batch until now
-        with timed(stats["train"]):
+        with timed(stats.train):
             # B = prompts * G
             samples = []
             for row, group in zip(rows, outputs):
                 samples += [to_sample(row, output, rewards) for output in group]
             # the step was submitted that many pushes ago
-            check_versions(sampler, samples, version - queued.version)
+            check_versions(sampler, samples, stats.version - queued.version)
             totals = torch.tensor([s.reward for s in samples]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(totals, cfg.scale_rewards).flatten()
-            is_weights, deltas, loss = policy.backward(
-                samples, advantages, version, tok.pad_token_id, measure_all
+            result = policy.backward(
+                samples, advantages, stats.version, tok.pad_token_id, measure_all
             )
-            stats["divisor"] += loss_divisor(samples, cfg)
-            stats["loss"] += loss
-            stats["flops"] += backward_flops(policy.model, samples, advantages, cfg, measure_all)
-            # how many versions behind ours the weights that sampled each completion token are
-            lags = [version - v for s in samples for v in s.sampled(s.versions)]
-            tensors["staleness"].append(torch.tensor(lags))
-            tensors["rewards"].append(totals.flatten())
-            # (B, functions): NaN where a function does not apply
-            tensors["each_reward"].append(torch.tensor([s.rewards for s in samples]))
-            tensors["is_weights"].append(is_weights)
-            tensors["logprob_deltas"].append(deltas)
-            # per sample: the tokens it sampled, and whether --max-tokens cut it
-            tensors["lengths"].append(torch.tensor([sum(s.mask) for s in samples]))
-            tensors["truncated"].append(torch.tensor([s.truncated for s in samples]).float())
-            calls = [[s.tool_calls, s.tool_errors] for s in samples]
-            tensors["tool_calls"].append(torch.tensor(calls).view(-1, 2))
-            # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
-            sampled = [lp for s in samples for lp in s.sampled(s.logprobs)]
-            tensors["sampled_logprobs"].append(torch.tensor(sampled))
-    return stats | {key: torch.cat(values) for key, values in tensors.items()}
+            stats.samples += samples
+            stats.backwards.append(result)
+            stats.flops += backward_flops(policy.model, samples, advantages, cfg, measure_all)
+    return stats
 
 
 def check_versions(sampler, samples, staleness):
@@ -717,22 +714,21 @@ class Policy:
     def shard(self):
         """One process: nothing to shard."""
 
-    def backward(self, samples, advantages, version, pad_id, measure_all):
+    def backward(self, samples, advantages, version, pad_id, measure_all) -> "Backward":
         """backward() of the whole micro-batch."""
         return backward(self.model, samples, advantages, version, self.cfg, pad_id, measure_all)
 
-    def step(self, stats):
-        """Normalise the step's summed gradient, clip it and step the optimizer."""
+    def step(self, divisor) -> float:
+        """Normalise the step's summed gradient, clip it and step the optimizer: the norm."""
         # the loss normalisation: divide the summed gradient by the step's loss_divisor (dapo:
         # every completion token; under torchrun FSDP has averaged the ranks' gradients: / ranks)
-        with timed(stats["train"]):
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad /= max(stats["divisor"], 1) / self.ranks
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            stats["grad_norm"] = norm.item()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad /= max(divisor, 1) / self.ranks
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm.item()
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -745,18 +741,32 @@ class Policy:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
 
+class Backward(NamedTuple):
+    """What a backward leaves for the metrics; its loss is summed, to be divided by the step's
+    loss_divisor (docs/training.md)."""
+
+    # the stale tokens' importance weights
+    is_weights: torch.Tensor
+    # trainer minus server logprob of each token measured that the current weights sampled
+    deltas: torch.Tensor
+    loss: float
+
+    @staticmethod
+    def joined(results) -> "Backward":
+        """One Backward of several (forwards, micro-batches, ranks): tensors joined, losses
+        summed."""
+        # an empty one first: no results (every sample skipped) give empty tensors
+        weights, deltas, losses = zip((torch.empty(0), torch.empty(0), 0.0), *results)
+        return Backward(torch.cat(weights), torch.cat(deltas), sum(losses))
+
+
 def backward(model, samples, advantages, version, cfg, pad_id, measure_all=False, skip=True):
     """Accumulate the policy gradient of `samples` on our weights `version`, in the forwards that
-    `forwards` plans. Returns the stale tokens' importance weights, the trainer-minus-server
-    logprobs and the summed loss, which the caller divides by loss_divisor (docs/training.md)."""
-    weights, deltas = [torch.empty(0)], [torch.empty(0)]
-    loss = 0.0
+    `forwards` plans: their Backward."""
+    results = []
     for part, part_advantages, grad in forwards(samples, advantages, cfg, measure_all, skip):
-        w, d, part_loss = chunk_backward(model, part, part_advantages, version, cfg, pad_id, grad)
-        weights.append(w)
-        deltas.append(d)
-        loss += part_loss
-    return torch.cat(weights), torch.cat(deltas), loss
+        results.append(chunk_backward(model, part, part_advantages, version, cfg, pad_id, grad))
+    return Backward.joined(results)
 
 
 def forwards(samples, advantages, cfg, measure_all=False, skip=True):
@@ -780,10 +790,9 @@ def forwards(samples, advantages, cfg, measure_all=False, skip=True):
             yield [samples[j] for j in chunk], advantages[chunk], grad
 
 
-def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True):
-    """One forward of `samples` (and with `grad`, backward: gradients accumulate, normalised once
-    the whole step is in). Returns the stale tokens' importance weights, the trainer minus server
-    logprobs of the tokens the current weights sampled, and the loss."""
+def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) -> Backward:
+    """One forward of `samples` and with `grad` backward: gradients accumulate, normalised once
+    the whole step is in."""
     ids = [sample.ids for sample in samples]
     masks = [sample.mask for sample in samples]
     old_logprobs = [sample.logprobs for sample in samples]
@@ -799,7 +808,7 @@ def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True):
     if grad:
         loss.backward()
     deltas = (logprobs.detach() - old)[~stale & sampled]
-    return w[stale & sampled], deltas, loss.item()
+    return Backward(w[stale & sampled], deltas, loss.item())
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -897,56 +906,74 @@ def loss_divisor(samples, cfg):
 
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
-def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
-    """One row of metrics.jsonl; its times and speed: docs/training.md, "A step's time"."""
-    gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
-    train_s = sum(b - a for a, b in stats["train"])
-    sync_s = stats["sync"][0][1] - stats["sync"][0][0]
+def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
+    """One row of metrics.jsonl, from the step's StepStats; its times and speed: docs/training.md,
+    "A step's time"."""
+    gen_s = max(b for _, b in stats.gen) - min(a for a, _ in stats.gen)
+    train_s = sum(b - a for a, b in stats.train)
+    sync_s = stats.sync[0][1] - stats.sync[0][0]
     step_s = time.time() - t_step
-    groups = stats["rewards"].view(-1, cfg.group_size)
+    backward = Backward.joined(stats.backwards)
     # no stale samples: weight 1, none clipped
-    w = stats["is_weights"] if len(stats["is_weights"]) else torch.ones(1)
-    lengths = stats["lengths"].float()
+    w = backward.is_weights if len(backward.is_weights) else torch.ones(1)
     row = {
         "step": step,
-        "reward": groups.mean().item(),
-        "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
+        **sample_metrics(stats.samples, cfg, stats.version),
         # what the gradient is of: the summed loss over the step's loss_divisor
-        "loss": stats["loss"] / max(stats["divisor"], 1),
-        # of the sampled tokens, estimated by them: mean -log p
-        "entropy": -stats["sampled_logprobs"].mean().item(),
-        "completion_length": lengths.mean().item(),
-        "completion_length_max": int(lengths.max()),
-        "truncated": stats["truncated"].mean().item(),
-        **tool_metrics(stats["tool_calls"]),
-        # TRL's name: the groups skipped by backward, all rewards equal
-        "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
-        "version": version,
-        "prompts_crc32": stats["prompts_crc32"],
+        "loss": backward.loss / max(loss_divisor(stats.samples, cfg), 1),
+        "version": stats.version,
+        # which prompts the step trained on, in a number: runs compare their steps by it
+        "prompts_crc32": zlib.crc32(json.dumps([r["prompt"] for r in stats.rows]).encode()),
         "schedule": cfg.schedule,
-        "grad_norm": stats["grad_norm"],
-        "tokens": int(lengths.sum()),
+        "grad_norm": stats.grad_norm,
         "gen_s": gen_s,
         "train_s": train_s,
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
-        **speed_metrics(stats["flops"], train_s, cfg),
-        "staleness": stats["staleness"].float().mean().item(),
-        "staleness_max": int(stats["staleness"].max()),
+        **speed_metrics(stats.flops, train_s, cfg),
         "is_weight_mean": w.mean().item(),
         "is_weight_max": w.max().item(),
-        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(stats["is_weights"]) else 0.0,
-        **mismatch_metrics(stats["logprob_deltas"]),
-        **reward_metrics(Rewards(cfg).names, stats["each_reward"]),
+        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(backward.is_weights) else 0.0,
+        **mismatch_metrics(backward.deltas),
         "intervals": {
-            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in stats[k]]
+            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in getattr(stats, k)]
             for k in ("gen", "train", "sync")
         },
     }
     if evaluation:
         row["eval"] = evaluation  # on the weights this step sampled from
     return row
+
+
+def sample_metrics(samples, cfg, version):
+    """What a step's `samples` say, trained on our weights `version`: rewards, lengths, tool calls,
+    the entropy of the sampled tokens, how stale they are."""
+    groups = torch.tensor([s.reward for s in samples]).view(-1, cfg.group_size)
+    # per sample: the tokens it sampled, and whether --max-tokens cut it
+    lengths = torch.tensor([sum(s.mask) for s in samples]).float()
+    truncated = torch.tensor([s.truncated for s in samples]).float()
+    # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
+    sampled = torch.tensor([lp for s in samples for lp in s.sampled(s.logprobs)])
+    # how many versions behind ours the weights that sampled each completion token are
+    staleness = torch.tensor([version - v for s in samples for v in s.sampled(s.versions)])
+    return {
+        "reward": groups.mean().item(),
+        "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
+        # of the sampled tokens, estimated by them: mean -log p
+        "entropy": -sampled.mean().item(),
+        "completion_length": lengths.mean().item(),
+        "completion_length_max": int(lengths.max()),
+        "truncated": truncated.mean().item(),
+        **tool_metrics(samples),
+        # TRL's name: the groups skipped by backward, all rewards equal
+        "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
+        "tokens": int(lengths.sum()),
+        "staleness": staleness.float().mean().item(),
+        "staleness_max": int(staleness.max()),
+        # (B, functions): NaN where a function does not apply
+        **reward_metrics(Rewards(cfg).names, torch.tensor([s.rewards for s in samples])),
+    }
 
 
 def reward_metrics(names, each_reward):
@@ -956,13 +983,14 @@ def reward_metrics(names, each_reward):
     return {f"reward/{name}": None if math.isnan(m) else m for name, m in zip(names, means)}
 
 
-def tool_metrics(tool_calls):
-    """The share of samples that called a tool, the step's tool calls, and those that answered an
-    error, from each sample's (calls, errors) (B, 2); a warning when most of the calls failed."""
-    calls, errors = tool_calls.sum(0).tolist()
+def tool_metrics(samples):
+    """The share of `samples` that called a tool, their tool calls, and those that answered an
+    error; a warning when most of the calls failed."""
+    calls = sum(s.tool_calls for s in samples)
+    errors = sum(s.tool_errors for s in samples)
     if errors > calls / 2:
         print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
-    share = (tool_calls[:, 0] > 0).float().mean().item()
+    share = torch.tensor([s.tool_calls > 0 for s in samples]).float().mean().item()
     return {"tool_share": share, "tool_calls": calls, "tool_errors": errors}
 
 
@@ -1691,16 +1719,15 @@ class ShardedPolicy(Policy):
         share = slice(rank * len(samples) // self.ranks, (rank + 1) * len(samples) // self.ranks)
         mine = (samples[share], advantages[share], version, self.cfg, pad_id, measure_all)
         # skip off: every rank runs as many forward/backward passes as the others (see forwards)
-        statistics = backward(self.model, *mine, skip=False)
+        result = backward(self.model, *mine, skip=False)
         # the statistics of every rank's share
         shares = [None] * self.ranks
-        dist.all_gather_object(shares, statistics)
-        weights, deltas, losses = zip(*shares)
-        return torch.cat(weights), torch.cat(deltas), sum(losses)
+        dist.all_gather_object(shares, result)
+        return Backward.joined(shares)
 
-    def step(self, stats):
-        lead("step", {"divisor": stats["divisor"], "train": []})
-        super().step(stats)
+    def step(self, divisor):
+        lead("step", divisor)
+        return super().step(divisor)
 
     def zero_grad(self):
         lead("zero_grad")
