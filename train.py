@@ -372,10 +372,7 @@ class Sampler:
 
     def connect(self):
         """Set weight sync up, push our weights, and leave the queued steps to be submitted."""
-        # an adapter goes in an HTTP body: no weight sync to set up
-        if not self.cfg.lora_rank:
-            self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
-        self.version = self.client.update_model_params(self.weights)
+        self.version = first_push(self.client, self.cfg, self.weights)
         for queued in self.queue:
             queued.requests = None
 
@@ -408,16 +405,13 @@ class Sampler:
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
     def advance(self, policy, stats, rng, data, step):
-        """Step the optimizer on step s's gradient and queue step s+1+K (submit_next). Between the
-        two the weights and the queue disagree: a stop there leaves no checkpoint (next_step)."""
+        """Step the optimizer on step s's gradient, pop step s and queue step s+1+K (K =
+        --max-staleness); on-policy, submit it at once for the next version (docs/training.md,
+        "When a step is sampled")."""
+        # the weights and the queue disagree until both are done: a stop between leaves none
         self.next_step = None
         with timed(stats.train):
             stats.grad_norm = policy.step(loss_divisor(stats.samples, self.cfg))
-        self.submit_next(rng, data, step)
-
-    def submit_next(self, rng, data, step):
-        """Pop the step trained and queue step s+1+K (K = --max-staleness); on-policy, submit
-        it at once for the next version (docs/training.md, "When a step is sampled")."""
         self.queue.popleft()
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
             # rows sampled already (by a run of a larger K) come first, in their order
@@ -451,6 +445,14 @@ class Sampler:
         self.version = pushed
 
 
+def first_push(client, cfg, weights):
+    """Set weight sync up and push `weights`: the version the server holds them as."""
+    # an adapter goes in an HTTP body: no weight sync to set up
+    if not cfg.lora_rank:
+        client.init_communicator(host=cfg.trainer_host, device=cfg.device)
+    return client.update_model_params(weights)
+
+
 def step_gradient(sampler, policy, tok, measure_all):
     """Accumulate the oldest queued step's gradient (accumulate_step), starting over if the server
     is lost meanwhile (at most 3 times). Returns its StepStats."""
@@ -472,9 +474,8 @@ def timed(intervals):
 
 @dataclass
 class StepStats:
-    """A step's record for its metrics (step_metrics): its rows, samples and each micro-batch's
-    Backward, the FLOPs, the gradient's norm, and [start, end] intervals
-    (time.time()) of its phases: generating, training, pushing."""
+    """A step's record for step_metrics: its rows, samples, each micro-batch's Backward, FLOPs, the
+    gradient's norm, and its phases' [start, end] times: generating, training, pushing."""
 
     rows: list
     # the version of our weights that the step trains
@@ -493,7 +494,7 @@ def accumulate_step(sampler, policy, tok, measure_all):
     """Collect the oldest queued step's samples and accumulate each micro-batch's gradient as it
     lands, its versions checked; with `measure_all` the mismatch is measured on every sample."""
     cfg = sampler.cfg
-    # steps 0..K at the start, and the steps a lost server held (Sampler.submit_next)
+    # steps 0..K at the start, and the steps a lost server held (Sampler.advance)
     sampler.submit_queued(sampler.version)
     queued = sampler.queue[0]
     stats = StepStats(queued.rows, sampler.version)
@@ -512,11 +513,10 @@ def accumulate_step(sampler, policy, tok, measure_all):
             totals = torch.tensor([s.reward for s in samples]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(totals, cfg.scale_rewards).flatten()
-            result = policy.backward(
-                samples, advantages, stats.version, tok.pad_token_id, measure_all
-            )
             stats.samples += samples
-            stats.backwards.append(result)
+            stats.backwards.append(
+                policy.backward(samples, advantages, stats.version, tok.pad_token_id, measure_all)
+            )
             stats.flops += backward_flops(policy.model, samples, advantages, cfg, measure_all)
     return stats
 
@@ -568,9 +568,8 @@ def submit_prompts(client, rows, cfg, **sampling):
 
 
 def submit_rollouts(client, rows, cfg, version):
-    """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
-    rows' order (collect() decides when the trainer takes which). They start on weights `version`
-    alone: the server holds them until it loads those, and refuses them past it."""
+    """Send a step's prompts at once, a request each, to start on weights `version` alone (the
+    server holds them until it loads those): their RemoteFutures, in the rows' order."""
     sampling = dict(
         n=cfg.group_size,
         temperature=cfg.temperature,
@@ -587,9 +586,8 @@ def submit_rollouts(client, rows, cfg, version):
 
 
 def collect(client, rows, futures, cfg):
-    """Yield the step's micro-batches as (rows, samples [prompt][G], server timings), in the order
-    the schedule hands them over; split by prompt, never inside a group, so any order gives the
-    same summed gradient (docs/training.md)."""
+    """Yield the step's micro-batches, (rows, samples [prompt][G], server timings), in the order the
+    schedule hands them over, whole groups each: any order, one gradient (docs/training.md)."""
     size = len(rows) // cfg.micro_batches
     if cfg.schedule == "sync-batch":
         # wait for the whole step, then train on its slices
@@ -634,8 +632,7 @@ class Sample:
 
 
 def to_sample(row, output, rewards) -> Sample:
-    """A server output of `row` (a Completion or an Episode) as the Sample the trainer reads, with
-    its rewards (Rewards) of the completion and the row."""
+    """A server output of `row`, a Completion or an Episode, as the Sample the trainer reads."""
     # Client.session's episode is None when the calls do not continue one another token for token
     if output is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
@@ -675,14 +672,13 @@ def per_token(spans, offset, length):
 
 def group_advantages(rewards: torch.Tensor, scale="group") -> torch.Tensor:
     """(prompts, G) rewards -> advantages: minus the group's mean, over the std of `scale` (TRL's
-    scale_rewards: "group", "batch" of the micro-batch's groups, "none"). A group whose rewards are
-    all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
-    `backward` can skip it."""
+    scale_rewards: "group", "batch" of the micro-batch's groups, "none")."""
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if scale == "group":
         advantages /= rewards.std(dim=1, keepdim=True) + 1e-4
     elif scale == "batch":
         advantages /= rewards.std() + 1e-4
+    # all equal: exactly 0 (the mean of eight 1/3s would leave ~3e-4), so `backward` skips them
     equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return torch.where(equal, 0.0, advantages)
 
@@ -742,8 +738,7 @@ class Policy:
 
 
 class Backward(NamedTuple):
-    """What a backward leaves for the metrics; its loss is summed, to be divided by the step's
-    loss_divisor (docs/training.md)."""
+    """What a backward leaves for the metrics; the loss summed, for the step's loss_divisor."""
 
     # the stale tokens' importance weights
     is_weights: torch.Tensor
@@ -753,8 +748,7 @@ class Backward(NamedTuple):
 
     @staticmethod
     def joined(results) -> "Backward":
-        """One Backward of several (forwards, micro-batches, ranks): tensors joined, losses
-        summed."""
+        """One Backward of several (forwards, micro-batches, ranks)."""
         # an empty one first: no results (every sample skipped) give empty tensors
         weights, deltas, losses = zip((torch.empty(0), torch.empty(0), 0.0), *results)
         return Backward(torch.cat(weights), torch.cat(deltas), sum(losses))
@@ -772,11 +766,9 @@ def backward(model, samples, advantages, version, cfg, pad_id, measure_all=False
 def forwards(samples, advantages, cfg, measure_all=False, skip=True):
     """Yield backward's forwards as (sequences, their advantages, with gradient), each of
     --train-micro-batch sequences (0: all)."""
-    # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
-    # nothing to the gradient: no forward or backward for it. It stays in the step's divisor, so
-    # the step's summed and normalised gradient is the one it would be without the skip.
-    # (not with `skip` off, as under torchrun: there every rank must run as many forward/backward
-    # passes as the others, FSDP's gathers being collective)
+    # a sample of advantage 0 adds nothing to the gradient: no forward for it, though it counts in
+    # the divisor; with `skip` off (torchrun) every rank runs as many passes as the others, FSDP's
+    # gathers being collective
     trained = (advantages != 0) | (not skip)
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
@@ -947,8 +939,8 @@ def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
 
 
 def sample_metrics(samples, cfg, version):
-    """What a step's `samples` say, trained on our weights `version`: rewards, lengths, tool calls,
-    the entropy of the sampled tokens, how stale they are."""
+    """What a step's `samples` say, trained on our weights `version`: rewards, lengths, tool calls
+    (a warning when most failed), the entropy of the sampled tokens, how stale they are."""
     groups = torch.tensor([s.reward for s in samples]).view(-1, cfg.group_size)
     # per sample: the tokens it sampled, and whether --max-tokens cut it
     lengths = torch.tensor([sum(s.mask) for s in samples]).float()
@@ -957,6 +949,10 @@ def sample_metrics(samples, cfg, version):
     sampled = torch.tensor([lp for s in samples for lp in s.sampled(s.logprobs)])
     # how many versions behind ours the weights that sampled each completion token are
     staleness = torch.tensor([version - v for s in samples for v in s.sampled(s.versions)])
+    calls = sum(s.tool_calls for s in samples)
+    errors = sum(s.tool_errors for s in samples)
+    if errors > calls / 2:
+        print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
     return {
         "reward": groups.mean().item(),
         "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
@@ -965,7 +961,10 @@ def sample_metrics(samples, cfg, version):
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
         "truncated": truncated.mean().item(),
-        **tool_metrics(samples),
+        # the share of samples that called a tool; their tool calls, those that answered an error
+        "tool_share": torch.tensor([s.tool_calls > 0 for s in samples]).float().mean().item(),
+        "tool_calls": calls,
+        "tool_errors": errors,
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "tokens": int(lengths.sum()),
@@ -981,17 +980,6 @@ def reward_metrics(names, each_reward):
     `each_reward` (samples, functions), NaN where one does not apply; None where none does."""
     means = each_reward.nanmean(dim=0).tolist()
     return {f"reward/{name}": None if math.isnan(m) else m for name, m in zip(names, means)}
-
-
-def tool_metrics(samples):
-    """The share of `samples` that called a tool, their tool calls, and those that answered an
-    error; a warning when most of the calls failed."""
-    calls = sum(s.tool_calls for s in samples)
-    errors = sum(s.tool_errors for s in samples)
-    if errors > calls / 2:
-        print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
-    share = torch.tensor([s.tool_calls > 0 for s in samples]).float().mean().item()
-    return {"tool_share": share, "tool_calls": calls, "tool_errors": errors}
 
 
 # dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
@@ -1425,8 +1413,6 @@ def evaluate(client, rows, cfg):
     tools = chat_tools(client, episode_tools(cfg))
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
-        if len(samples) != cfg.eval_n:
-            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked {cfg.eval_n}")
         group = []
         for sample in samples:
             episode = isinstance(sample, Episode)
@@ -1520,11 +1506,7 @@ def eval_only(client, cfg, held_out):
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(cfg.out, "eval_samples.jsonl"))
     if cfg.model and (cfg.server_url or cfg.lora_rank):
-        model = load_policy(cfg)
-        # an adapter goes in an HTTP body: no weight sync to set up
-        if not cfg.lora_rank:
-            client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-        client.update_model_params(model)
+        first_push(client, cfg, load_policy(cfg))
         client.close_communicator()
     return final_eval(client, held_out, cfg)
 
@@ -1567,7 +1549,7 @@ def start_run(cfg, opt, rng, data):
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
         start, rows = state["step"], state["rows"]
-    # steps start..start+K sampled ahead (Sampler.submit_next); a checkpoint holds them, fewer
+    # steps start..start+K sampled ahead (Sampler.advance); a checkpoint holds them, fewer
     # (one of a run that ended, or of a smaller K), or more (of a larger K: Sampler keeps them)
     while len(rows) <= min(cfg.max_staleness, cfg.steps - 1 - start):
         rows.append(rng.sample(data, cfg.prompts_per_step))
@@ -1718,11 +1700,10 @@ class ShardedPolicy(Policy):
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
         share = slice(rank * len(samples) // self.ranks, (rank + 1) * len(samples) // self.ranks)
         mine = (samples[share], advantages[share], version, self.cfg, pad_id, measure_all)
-        # skip off: every rank runs as many forward/backward passes as the others (see forwards)
-        result = backward(self.model, *mine, skip=False)
-        # the statistics of every rank's share
+        # every rank's statistics; skip off: every rank runs as many forward/backward passes as the
+        # others (see forwards)
         shares = [None] * self.ranks
-        dist.all_gather_object(shares, result)
+        dist.all_gather_object(shares, backward(self.model, *mine, skip=False))
         return Backward.joined(shares)
 
     def step(self, divisor):
