@@ -633,22 +633,8 @@ class Sample:
 
 def to_sample(row, output, rewards) -> Sample:
     """A server output of `row`, a Completion or an Episode, as the Sample the trainer reads."""
-    # Client.session's episode is None when the calls do not continue one another token for token
-    if output is None:
-        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
-    if isinstance(output, Episode):
-        # an episode merged from a session has no spans: its first turn's version
-        spans = output.versions or [[output.turns[0]["version"], 0]]
-        return Sample(
-            ids=output.token_ids,
-            mask=output.loss_mask,
-            logprobs=output.logprobs,
-            versions=per_token(spans, 0, len(output.token_ids)),
-            **rewards(output.turns[-1]["text"], row),
-            truncated=output.finish_reason == "length",
-            tool_calls=len(output.tool_calls),
-            tool_errors=sum(call["result"].startswith("error") for call in output.tool_calls),
-        )
+    if output is None or isinstance(output, Episode):
+        return episode_sample(row, output, rewards)
     prompt = output.prompt_token_ids
     return Sample(
         ids=prompt + output.token_ids,
@@ -657,6 +643,25 @@ def to_sample(row, output, rewards) -> Sample:
         versions=per_token(output.versions, len(prompt), len(prompt) + len(output.token_ids)),
         **rewards(output.text, row),
         truncated=output.finish_reason == "length",
+    )
+
+
+def episode_sample(row, episode, rewards) -> Sample:
+    """A tool episode of `row` as the Sample the trainer reads: its loss mask, its tool calls."""
+    # Client.session's episode is None when the calls do not continue one another token for token
+    if episode is None:
+        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
+    # an episode merged from a session has no spans: its first turn's version
+    spans = episode.versions or [[episode.turns[0]["version"], 0]]
+    return Sample(
+        ids=episode.token_ids,
+        mask=episode.loss_mask,
+        logprobs=episode.logprobs,
+        versions=per_token(spans, 0, len(episode.token_ids)),
+        **rewards(episode.turns[-1]["text"], row),
+        truncated=episode.finish_reason == "length",
+        tool_calls=len(episode.tool_calls),
+        tool_errors=sum(call["result"].startswith("error") for call in episode.tool_calls),
     )
 
 
@@ -939,20 +944,15 @@ def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
 
 
 def sample_metrics(samples, cfg, version):
-    """What a step's `samples` say, trained on our weights `version`: rewards, lengths, tool calls
-    (a warning when most failed), the entropy of the sampled tokens, how stale they are."""
+    """What a step's `samples` say, trained on our weights `version`: rewards, lengths, tool calls,
+    the entropy of the sampled tokens, how stale they are."""
     groups = torch.tensor([s.reward for s in samples]).view(-1, cfg.group_size)
-    # per sample: the tokens it sampled, and whether --max-tokens cut it
+    # per sample: the tokens it sampled
     lengths = torch.tensor([sum(s.mask) for s in samples]).float()
-    truncated = torch.tensor([s.truncated for s in samples]).float()
     # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
     sampled = torch.tensor([lp for s in samples for lp in s.sampled(s.logprobs)])
     # how many versions behind ours the weights that sampled each completion token are
     staleness = torch.tensor([version - v for s in samples for v in s.sampled(s.versions)])
-    calls = sum(s.tool_calls for s in samples)
-    errors = sum(s.tool_errors for s in samples)
-    if errors > calls / 2:
-        print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
     return {
         "reward": groups.mean().item(),
         "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
@@ -960,11 +960,12 @@ def sample_metrics(samples, cfg, version):
         "entropy": -sampled.mean().item(),
         "completion_length": lengths.mean().item(),
         "completion_length_max": int(lengths.max()),
-        "truncated": truncated.mean().item(),
+        # the share of samples that --max-tokens cut
+        "truncated": torch.tensor([s.truncated for s in samples]).float().mean().item(),
         # the share of samples that called a tool; their tool calls, those that answered an error
         "tool_share": torch.tensor([s.tool_calls > 0 for s in samples]).float().mean().item(),
-        "tool_calls": calls,
-        "tool_errors": errors,
+        "tool_calls": sum(s.tool_calls for s in samples),
+        "tool_errors": sum(s.tool_errors for s in samples),
         # TRL's name: the groups skipped by backward, all rewards equal
         "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
         "tokens": int(lengths.sum()),
