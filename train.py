@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from statistics import mean
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -405,9 +404,8 @@ class Sampler:
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
     def advance(self, policy, stats, rng, data, step):
-        """Step the optimizer on step s's gradient, pop step s and queue step s+1+K (K =
-        --max-staleness); on-policy, submit it at once for the next version (docs/training.md,
-        "When a step is sampled")."""
+        """Step the optimizer on step s's gradient, pop s and queue s+1+K (K = --max-staleness),
+        submitted at once for the next version (docs/training.md, "When a step is sampled")."""
         # the weights and the queue disagree until both are done: a stop between leaves none
         self.next_step = None
         with timed(stats.train):
@@ -742,14 +740,10 @@ class Policy:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
 
-class Backward(NamedTuple):
-    """What a backward leaves for the metrics; the loss summed, for the step's loss_divisor."""
-
-    # the stale tokens' importance weights
-    is_weights: torch.Tensor
-    # trainer minus server logprob of each token measured that the current weights sampled
-    deltas: torch.Tensor
-    loss: float
+class Backward(collections.namedtuple("Backward", ["is_weights", "deltas", "loss"])):
+    """What a backward leaves for the metrics: the stale tokens' importance weights, the trainer
+    minus server logprob of each token measured that the current weights sampled, and the loss,
+    summed (for the step's loss_divisor)."""
 
     @staticmethod
     def joined(results) -> "Backward":
@@ -829,8 +823,7 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
-    set, 0 elsewhere; the output layer runs `chunk_tokens` positions at a time, recomputed in
-    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md)."""
+    set, 0 elsewhere; the output layer by chunks (output_logprobs, docs/training.md)."""
     ids = batch["input_ids"].to(model.device)
     attention = batch["attention"].to(model.device)
     # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
@@ -906,7 +899,6 @@ def loss_divisor(samples, cfg):
 def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
     """One row of metrics.jsonl, from the step's StepStats; its times and speed: docs/training.md,
     "A step's time"."""
-    gen_s = max(b for _, b in stats.gen) - min(a for a, _ in stats.gen)
     train_s = sum(b - a for a, b in stats.train)
     sync_s = stats.sync[0][1] - stats.sync[0][0]
     step_s = time.time() - t_step
@@ -923,7 +915,7 @@ def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
         "prompts_crc32": zlib.crc32(json.dumps([r["prompt"] for r in stats.rows]).encode()),
         "schedule": cfg.schedule,
         "grad_norm": stats.grad_norm,
-        "gen_s": gen_s,
+        "gen_s": max(b for _, b in stats.gen) - min(a for a, _ in stats.gen),
         "train_s": train_s,
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
@@ -1495,8 +1487,7 @@ def final_eval(client, held_out, cfg):
         + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k)
     )
     record = {"model": cfg.model or server["model"], "version": server["version"], **result}
-    with open(os.path.join(cfg.out, "eval.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    Path(cfg.out, "eval.json").write_text(json.dumps(record, indent=1))
     return result
 
 
@@ -1504,8 +1495,7 @@ def eval_only(client, cfg, held_out):
     """--eval-only: evaluate --model. A server given by --server-url gets its weights pushed first
     (one that train.py starts loads them, and gets an adapter pushed); without --model, what that
     server holds is evaluated. eval.json and eval_samples.jsonl then hold this evaluation alone."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(cfg.out, "eval_samples.jsonl"))
+    Path(cfg.out, "eval_samples.jsonl").unlink(missing_ok=True)
     if cfg.model and (cfg.server_url or cfg.lora_rank):
         first_push(client, cfg, load_policy(cfg))
         client.close_communicator()
