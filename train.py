@@ -902,14 +902,14 @@ def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
     train_s = sum(b - a for a, b in stats.train)
     sync_s = stats.sync[0][1] - stats.sync[0][0]
     step_s = time.time() - t_step
-    backward = Backward.joined(stats.backwards)
+    joined = Backward.joined(stats.backwards)
     # no stale samples: weight 1, none clipped
-    w = backward.is_weights if len(backward.is_weights) else torch.ones(1)
+    w = joined.is_weights if len(joined.is_weights) else torch.ones(1)
     row = {
         "step": step,
         **sample_metrics(stats.samples, cfg, stats.version),
         # what the gradient is of: the summed loss over the step's loss_divisor
-        "loss": backward.loss / max(loss_divisor(stats.samples, cfg), 1),
+        "loss": joined.loss / max(loss_divisor(stats.samples, cfg), 1),
         "version": stats.version,
         # which prompts the step trained on, in a number: runs compare their steps by it
         "prompts_crc32": zlib.crc32(json.dumps([r["prompt"] for r in stats.rows]).encode()),
@@ -923,8 +923,8 @@ def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
         **speed_metrics(stats.flops, train_s, cfg),
         "is_weight_mean": w.mean().item(),
         "is_weight_max": w.max().item(),
-        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(backward.is_weights) else 0.0,
-        **mismatch_metrics(backward.deltas),
+        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(joined.is_weights) else 0.0,
+        **mismatch_metrics(joined.deltas),
         "intervals": {
             k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in getattr(stats, k)]
             for k in ("gen", "train", "sync")
