@@ -741,9 +741,8 @@ class Policy:
 
 
 class Backward(collections.namedtuple("Backward", ["is_weights", "deltas", "loss"])):
-    """What a backward leaves for the metrics: the stale tokens' importance weights, the trainer
-    minus server logprob of each token measured that the current weights sampled, and the loss,
-    summed (for the step's loss_divisor)."""
+    """What a backward leaves for the metrics: the stale tokens' importance weights, trainer minus
+    server logprobs of the measured tokens the current weights sampled, the summed loss."""
 
     @staticmethod
     def joined(results) -> "Backward":
@@ -782,8 +781,8 @@ def forwards(samples, advantages, cfg, measure_all=False, skip=True):
 
 
 def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) -> Backward:
-    """One forward of `samples` and with `grad` backward: gradients accumulate, normalised once
-    the whole step is in."""
+    """One forward of `samples`, and with `grad` backward (gradients accumulate, the step
+    normalises them)."""
     ids = [sample.ids for sample in samples]
     masks = [sample.mask for sample in samples]
     old_logprobs = [sample.logprobs for sample in samples]
