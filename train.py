@@ -130,7 +130,6 @@ class Config:
     update_mode: str = flag("drain", "a push and the requests in flight", ["drain", "in-flight"])
     is_cap: float = flag(2.0, "cap of the importance weights of stale tokens (TIS)")
     mismatch_warning: float = flag(0.05, "mean trainer-server logprob difference that warns")
-    mismatch_every: int = flag(10, "measure the mismatch on every sample every K steps", at_least=1)
     # LoRA
     lora_rank: int = flag(0, "R: train a LoRA adapter of rank R (0: every weight)", at_least=0)
     lora_alpha: int = flag(0, "LoRA scale alpha / R (0: alpha = 2R)", at_least=0)
@@ -303,15 +302,14 @@ def train(cfg: Config, client: Client, data=None):
                 # on the weights this step samples; a step that loses the server goes without
                 evaluation = sampler.unless_lost(evaluate, client, held_out, cfg)
             # this is where the overlap happens: micro-batches train while the rest still generate
-            stats = step_gradient(sampler, policy, tok, step - start)
-            sampled_version = sampler.version
+            stats = step_gradient(sampler, policy, tok, measure_all=step == start)
             # the optimizer steps and step s+1+K is queued, together (a stop between leaves none)
             sampler.advance(policy, stats, rng, data, step)
-            with timed(stats["sync"]):
+            with timed(stats.sync):
                 sampler.unless_lost(sampler.push, policy.weights(cfg.dtype))
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, policy, tok, step + 1, rng, sampler)
-            row = step_metrics(step, stats, cfg, sampled_version, t_step, t_run, evaluation)
+            row = step_metrics(step, stats, cfg, t_step, t_run, evaluation)
             warn_first_step(row, cfg)
             run_log.log(row)
             show_progress(bar, row)
@@ -373,10 +371,7 @@ class Sampler:
 
     def connect(self):
         """Set weight sync up, push our weights, and leave the queued steps to be submitted."""
-        # an adapter goes in an HTTP body: no weight sync to set up
-        if not self.cfg.lora_rank:
-            self.client.init_communicator(host=self.cfg.trainer_host, device=self.cfg.device)
-        self.version = self.client.update_model_params(self.weights)
+        self.version = first_push(self.client, self.cfg, self.weights)
         for queued in self.queue:
             queued.requests = None
 
@@ -409,15 +404,12 @@ class Sampler:
         print(f"reconnected: the server holds our weights as v{self.version}", file=sys.stderr)
 
     def advance(self, policy, stats, rng, data, step):
-        """Step the optimizer on step s's gradient and queue step s+1+K (submit_next). Between the
-        two the weights and the queue disagree: a stop there leaves no checkpoint (next_step)."""
+        """Step the optimizer on step s's gradient, pop s and queue s+1+K (K = --max-staleness),
+        submitted at once for the next version (docs/training.md, "When a step is sampled")."""
+        # the weights and the queue disagree until both are done: a stop between leaves none
         self.next_step = None
-        policy.step(stats)
-        self.submit_next(rng, data, step)
-
-    def submit_next(self, rng, data, step):
-        """Pop the step trained and queue step s+1+K (K = --max-staleness); on-policy, submit
-        it at once for the next version (docs/training.md, "When a step is sampled")."""
+        with timed(stats.train):
+            stats.grad_norm = policy.step(loss_divisor(stats.samples, self.cfg))
         self.queue.popleft()
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
             # rows sampled already (by a run of a larger K) come first, in their order
@@ -451,11 +443,17 @@ class Sampler:
         self.version = pushed
 
 
-def step_gradient(sampler, policy, tok, steps_done):
+def first_push(client, cfg, weights):
+    """Set weight sync up and push `weights`: the version the server holds them as."""
+    # an adapter goes in an HTTP body: no weight sync to set up
+    if not cfg.lora_rank:
+        client.init_communicator(host=cfg.trainer_host, device=cfg.device)
+    return client.update_model_params(weights)
+
+
+def step_gradient(sampler, policy, tok, measure_all):
     """Accumulate the oldest queued step's gradient (accumulate_step), starting over if the server
-    is lost meanwhile (at most 3 times); at this process's first step and every --mismatch-every
-    steps the mismatch is measured on every sample. Returns the step's statistics."""
-    measure_all = steps_done % sampler.cfg.mismatch_every == 0
+    is lost meanwhile (at most 3 times). Returns its StepStats."""
     for _ in range(3):
         stats = sampler.unless_lost(accumulate_step, sampler, policy, tok, measure_all)
         if stats is not None:
@@ -472,56 +470,53 @@ def timed(intervals):
     intervals.append([start, time.time()])
 
 
+@dataclass
+class StepStats:
+    """A step's record for step_metrics: its rows, samples, each micro-batch's Backward, FLOPs, the
+    gradient's norm, and its phases' [start, end] times: generating, training, pushing."""
+
+    rows: list
+    # the version of our weights that the step trains
+    version: int
+    samples: list = field(default_factory=list)
+    backwards: list = field(default_factory=list)
+    # (computed, useful): backward_flops'
+    flops: torch.Tensor = 0
+    grad_norm: float = 0.0
+    gen: list = field(default_factory=list)
+    train: list = field(default_factory=list)
+    sync: list = field(default_factory=list)
+
+
 def accumulate_step(sampler, policy, tok, measure_all):
     """Collect the oldest queued step's samples and accumulate each micro-batch's gradient as it
-    lands, its versions checked. Returns the step's statistics and phases' intervals."""
+    lands, its versions checked; with `measure_all` the mismatch is measured on every sample."""
     cfg = sampler.cfg
-    # steps 0..K at the start, and the steps a lost server held (Sampler.submit_next)
+    # steps 0..K at the start, and the steps a lost server held (Sampler.advance)
     sampler.submit_queued(sampler.version)
     queued = sampler.queue[0]
-    version = sampler.version
-    tensors = collections.defaultdict(list)
-    stats = {"divisor": 0, "loss": 0.0, "flops": 0, "gen": [], "train": [], "sync": []}
-    # which prompts the step trained on, in a number: runs compare their steps by it
-    stats["prompts_crc32"] = zlib.crc32(json.dumps([r["prompt"] for r in queued.rows]).encode())
+    stats = StepStats(queued.rows, sampler.version)
     rewards = Rewards(cfg)
     # outputs: [prompt][G] Completion or Episode
     for rows, outputs, times in collect(sampler.client, queued.rows, queued.requests, cfg):
-        stats["gen"].append([min(t["started"] for t in times), max(t["finished"] for t in times)])
+        stats.gen.append([min(t["started"] for t in times), max(t["finished"] for t in times)])
         # the trainer waited for this micro-batch until now
-        with timed(stats["train"]):
+        with timed(stats.train):
             # B = prompts * G
             samples = []
             for row, group in zip(rows, outputs):
                 samples += [to_sample(row, output, rewards) for output in group]
             # the step was submitted that many pushes ago
-            check_versions(sampler, samples, version - queued.version)
+            check_versions(sampler, samples, stats.version - queued.version)
             totals = torch.tensor([s.reward for s in samples]).view(len(rows), cfg.group_size)
             # (B,) within whole groups, before any split
             advantages = group_advantages(totals, cfg.scale_rewards).flatten()
-            is_weights, deltas, loss = policy.backward(
-                samples, advantages, version, tok.pad_token_id, measure_all
+            stats.samples += samples
+            stats.backwards.append(
+                policy.backward(samples, advantages, stats.version, tok.pad_token_id, measure_all)
             )
-            stats["divisor"] += loss_divisor(samples, cfg)
-            stats["loss"] += loss
-            stats["flops"] += backward_flops(policy.model, samples, advantages, cfg, measure_all)
-            # how many versions behind ours the weights that sampled each completion token are
-            lags = [version - v for s in samples for v in s.sampled(s.versions)]
-            tensors["staleness"].append(torch.tensor(lags))
-            tensors["rewards"].append(totals.flatten())
-            # (B, functions): NaN where a function does not apply
-            tensors["each_reward"].append(torch.tensor([s.rewards for s in samples]))
-            tensors["is_weights"].append(is_weights)
-            tensors["logprob_deltas"].append(deltas)
-            # per sample: the tokens it sampled, and whether --max-tokens cut it
-            tensors["lengths"].append(torch.tensor([sum(s.mask) for s in samples]))
-            tensors["truncated"].append(torch.tensor([s.truncated for s in samples]).float())
-            calls = [[s.tool_calls, s.tool_errors] for s in samples]
-            tensors["tool_calls"].append(torch.tensor(calls).view(-1, 2))
-            # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
-            sampled = [lp for s in samples for lp in s.sampled(s.logprobs)]
-            tensors["sampled_logprobs"].append(torch.tensor(sampled))
-    return stats | {key: torch.cat(values) for key, values in tensors.items()}
+            stats.flops += backward_flops(policy.model, samples, advantages, cfg, measure_all)
+    return stats
 
 
 def check_versions(sampler, samples, staleness):
@@ -571,9 +566,8 @@ def submit_prompts(client, rows, cfg, **sampling):
 
 
 def submit_rollouts(client, rows, cfg, version):
-    """Send a step's prompts, one request per prompt, all at once: their RemoteFutures, in the
-    rows' order (collect() decides when the trainer takes which). They start on weights `version`
-    alone: the server holds them until it loads those, and refuses them past it."""
+    """Send a step's prompts at once, a request each, to start on weights `version` alone (the
+    server holds them until it loads those): their RemoteFutures, in the rows' order."""
     sampling = dict(
         n=cfg.group_size,
         temperature=cfg.temperature,
@@ -590,9 +584,8 @@ def submit_rollouts(client, rows, cfg, version):
 
 
 def collect(client, rows, futures, cfg):
-    """Yield the step's micro-batches as (rows, samples [prompt][G], server timings), in the order
-    the schedule hands them over; split by prompt, never inside a group, so any order gives the
-    same summed gradient (docs/training.md)."""
+    """Yield the step's micro-batches, (rows, samples [prompt][G], server timings), in the order the
+    schedule hands them over, whole groups each: any order, one gradient (docs/training.md)."""
     size = len(rows) // cfg.micro_batches
     if cfg.schedule == "sync-batch":
         # wait for the whole step, then train on its slices
@@ -637,24 +630,9 @@ class Sample:
 
 
 def to_sample(row, output, rewards) -> Sample:
-    """A server output of `row` (a Completion or an Episode) as the Sample the trainer reads, with
-    its rewards (Rewards) of the completion and the row."""
-    # Client.session's episode is None when the calls do not continue one another token for token
-    if output is None:
-        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
-    if isinstance(output, Episode):
-        # an episode merged from a session has no spans: its first turn's version
-        spans = output.versions or [[output.turns[0]["version"], 0]]
-        return Sample(
-            ids=output.token_ids,
-            mask=output.loss_mask,
-            logprobs=output.logprobs,
-            versions=per_token(spans, 0, len(output.token_ids)),
-            **rewards(output.turns[-1]["text"], row),
-            truncated=output.finish_reason == "length",
-            tool_calls=len(output.tool_calls),
-            tool_errors=sum(call["result"].startswith("error") for call in output.tool_calls),
-        )
+    """A server output of `row`, a Completion or an Episode, as the Sample the trainer reads."""
+    if output is None or isinstance(output, Episode):
+        return episode_sample(row, output, rewards)
     prompt = output.prompt_token_ids
     return Sample(
         ids=prompt + output.token_ids,
@@ -663,6 +641,25 @@ def to_sample(row, output, rewards) -> Sample:
         versions=per_token(output.versions, len(prompt), len(prompt) + len(output.token_ids)),
         **rewards(output.text, row),
         truncated=output.finish_reason == "length",
+    )
+
+
+def episode_sample(row, episode, rewards) -> Sample:
+    """A tool episode of `row` as the Sample the trainer reads: its loss mask, its tool calls."""
+    # Client.session's episode is None when the calls do not continue one another token for token
+    if episode is None:
+        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
+    # an episode merged from a session has no spans: its first turn's version
+    spans = episode.versions or [[episode.turns[0]["version"], 0]]
+    return Sample(
+        ids=episode.token_ids,
+        mask=episode.loss_mask,
+        logprobs=episode.logprobs,
+        versions=per_token(spans, 0, len(episode.token_ids)),
+        **rewards(episode.turns[-1]["text"], row),
+        truncated=episode.finish_reason == "length",
+        tool_calls=len(episode.tool_calls),
+        tool_errors=sum(call["result"].startswith("error") for call in episode.tool_calls),
     )
 
 
@@ -678,14 +675,13 @@ def per_token(spans, offset, length):
 
 def group_advantages(rewards: torch.Tensor, scale="group") -> torch.Tensor:
     """(prompts, G) rewards -> advantages: minus the group's mean, over the std of `scale` (TRL's
-    scale_rewards: "group", "batch" of the micro-batch's groups, "none"). A group whose rewards are
-    all equal gets exactly 0 (float rounding of the mean of eight 1/3s would leave ~3e-4), so
-    `backward` can skip it."""
+    scale_rewards: "group", "batch" of the micro-batch's groups, "none")."""
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if scale == "group":
         advantages /= rewards.std(dim=1, keepdim=True) + 1e-4
     elif scale == "batch":
         advantages /= rewards.std() + 1e-4
+    # all equal: exactly 0 (the mean of eight 1/3s would leave ~3e-4), so `backward` skips them
     equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return torch.where(equal, 0.0, advantages)
 
@@ -717,22 +713,21 @@ class Policy:
     def shard(self):
         """One process: nothing to shard."""
 
-    def backward(self, samples, advantages, version, pad_id, measure_all):
+    def backward(self, samples, advantages, version, pad_id, measure_all) -> "Backward":
         """backward() of the whole micro-batch."""
         return backward(self.model, samples, advantages, version, self.cfg, pad_id, measure_all)
 
-    def step(self, stats):
-        """Normalise the step's summed gradient, clip it and step the optimizer."""
+    def step(self, divisor) -> float:
+        """Normalise the step's summed gradient, clip it and step the optimizer: the norm."""
         # the loss normalisation: divide the summed gradient by the step's loss_divisor (dapo:
         # every completion token; under torchrun FSDP has averaged the ranks' gradients: / ranks)
-        with timed(stats["train"]):
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad /= max(stats["divisor"], 1) / self.ranks
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            stats["grad_norm"] = norm.item()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad /= max(divisor, 1) / self.ranks
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm.item()
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -745,28 +740,33 @@ class Policy:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
 
+class Backward(collections.namedtuple("Backward", ["is_weights", "deltas", "loss"])):
+    """What a backward leaves for the metrics: the stale tokens' importance weights, trainer minus
+    server logprobs of the measured tokens the current weights sampled, the summed loss."""
+
+    @staticmethod
+    def joined(results) -> "Backward":
+        """One Backward of several (forwards, micro-batches, ranks)."""
+        # an empty one first: no results (every sample skipped) give empty tensors
+        weights, deltas, losses = zip((torch.empty(0), torch.empty(0), 0.0), *results)
+        return Backward(torch.cat(weights), torch.cat(deltas), sum(losses))
+
+
 def backward(model, samples, advantages, version, cfg, pad_id, measure_all=False, skip=True):
     """Accumulate the policy gradient of `samples` on our weights `version`, in the forwards that
-    `forwards` plans. Returns the stale tokens' importance weights, the trainer-minus-server
-    logprobs and the summed loss, which the caller divides by loss_divisor (docs/training.md)."""
-    weights, deltas = [torch.empty(0)], [torch.empty(0)]
-    loss = 0.0
+    `forwards` plans: their Backward."""
+    results = []
     for part, part_advantages, grad in forwards(samples, advantages, cfg, measure_all, skip):
-        w, d, part_loss = chunk_backward(model, part, part_advantages, version, cfg, pad_id, grad)
-        weights.append(w)
-        deltas.append(d)
-        loss += part_loss
-    return torch.cat(weights), torch.cat(deltas), loss
+        results.append(chunk_backward(model, part, part_advantages, version, cfg, pad_id, grad))
+    return Backward.joined(results)
 
 
 def forwards(samples, advantages, cfg, measure_all=False, skip=True):
     """Yield backward's forwards as (sequences, their advantages, with gradient), each of
     --train-micro-batch sequences (0: all)."""
-    # A sample with advantage 0 (every sample of a group whose rewards are all equal) adds exactly
-    # nothing to the gradient: no forward or backward for it. It stays in the step's divisor, so
-    # the step's summed and normalised gradient is the one it would be without the skip.
-    # (not with `skip` off, as under torchrun: there every rank must run as many forward/backward
-    # passes as the others, FSDP's gathers being collective)
+    # a sample of advantage 0 adds nothing to the gradient: no forward for it, though it counts in
+    # the divisor; with `skip` off (torchrun) every rank runs as many passes as the others, FSDP's
+    # gathers being collective
     trained = (advantages != 0) | (not skip)
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
@@ -780,10 +780,9 @@ def forwards(samples, advantages, cfg, measure_all=False, skip=True):
             yield [samples[j] for j in chunk], advantages[chunk], grad
 
 
-def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True):
-    """One forward of `samples` (and with `grad`, backward: gradients accumulate, normalised once
-    the whole step is in). Returns the stale tokens' importance weights, the trainer minus server
-    logprobs of the tokens the current weights sampled, and the loss."""
+def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) -> Backward:
+    """One forward of `samples`, and with `grad` backward (gradients accumulate, the step
+    normalises them)."""
     ids = [sample.ids for sample in samples]
     masks = [sample.mask for sample in samples]
     old_logprobs = [sample.logprobs for sample in samples]
@@ -799,7 +798,7 @@ def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True):
     if grad:
         loss.backward()
     deltas = (logprobs.detach() - old)[~stale & sampled]
-    return w[stale & sampled], deltas, loss.item()
+    return Backward(w[stale & sampled], deltas, loss.item())
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -823,8 +822,7 @@ def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs
 
 def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     """(B, T-1): log p(token t+1 | tokens <= t) at the sampling temperature where batch["mask"] is
-    set, 0 elsewhere; the output layer runs `chunk_tokens` positions at a time, recomputed in
-    backward, so the vocabulary-sized logits never exist for the whole batch (docs/training.md)."""
+    set, 0 elsewhere; the output layer by chunks (output_logprobs, docs/training.md)."""
     ids = batch["input_ids"].to(model.device)
     attention = batch["attention"].to(model.device)
     # the model's own forward, so that FSDP's hooks run under torchrun; it makes the logits of one
@@ -897,50 +895,37 @@ def loss_divisor(samples, cfg):
 
 
 # -- after each step: metrics (plot.py's RunLog records them) --------------------------------------
-def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
-    """One row of metrics.jsonl; its times and speed: docs/training.md, "A step's time"."""
-    gen_s = max(b for _, b in stats["gen"]) - min(a for a, _ in stats["gen"])
-    train_s = sum(b - a for a, b in stats["train"])
-    sync_s = stats["sync"][0][1] - stats["sync"][0][0]
+def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
+    """One row of metrics.jsonl, from the step's StepStats; its times and speed: docs/training.md,
+    "A step's time"."""
+    train_s = sum(b - a for a, b in stats.train)
+    sync_s = stats.sync[0][1] - stats.sync[0][0]
     step_s = time.time() - t_step
-    groups = stats["rewards"].view(-1, cfg.group_size)
+    joined = Backward.joined(stats.backwards)
     # no stale samples: weight 1, none clipped
-    w = stats["is_weights"] if len(stats["is_weights"]) else torch.ones(1)
-    lengths = stats["lengths"].float()
+    w = joined.is_weights if len(joined.is_weights) else torch.ones(1)
     row = {
         "step": step,
-        "reward": groups.mean().item(),
-        "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
+        **sample_metrics(stats.samples, cfg, stats.version),
         # what the gradient is of: the summed loss over the step's loss_divisor
-        "loss": stats["loss"] / max(stats["divisor"], 1),
-        # of the sampled tokens, estimated by them: mean -log p
-        "entropy": -stats["sampled_logprobs"].mean().item(),
-        "completion_length": lengths.mean().item(),
-        "completion_length_max": int(lengths.max()),
-        "truncated": stats["truncated"].mean().item(),
-        **tool_metrics(stats["tool_calls"]),
-        # TRL's name: the groups skipped by backward, all rewards equal
-        "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
-        "version": version,
-        "prompts_crc32": stats["prompts_crc32"],
+        "loss": joined.loss / max(loss_divisor(stats.samples, cfg), 1),
+        "version": stats.version,
+        # which prompts the step trained on, in a number: runs compare their steps by it
+        "prompts_crc32": zlib.crc32(json.dumps([r["prompt"] for r in stats.rows]).encode()),
         "schedule": cfg.schedule,
-        "grad_norm": stats["grad_norm"],
-        "tokens": int(lengths.sum()),
-        "gen_s": gen_s,
+        "grad_norm": stats.grad_norm,
+        "gen_s": max(b for _, b in stats.gen) - min(a for a, _ in stats.gen),
         "train_s": train_s,
         "sync_s": sync_s,
         "idle_s": step_s - train_s - sync_s,
         "step_s": step_s,
-        **speed_metrics(stats["flops"], train_s, cfg),
-        "staleness": stats["staleness"].float().mean().item(),
-        "staleness_max": int(stats["staleness"].max()),
+        **speed_metrics(stats.flops, train_s, cfg),
         "is_weight_mean": w.mean().item(),
         "is_weight_max": w.max().item(),
-        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(stats["is_weights"]) else 0.0,
-        **mismatch_metrics(stats["logprob_deltas"]),
-        **reward_metrics(Rewards(cfg).names, stats["each_reward"]),
+        "is_clipped": (w >= cfg.is_cap).float().mean().item() if len(joined.is_weights) else 0.0,
+        **mismatch_metrics(joined.deltas),
         "intervals": {
-            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in stats[k]]
+            k: [[round(a - t_run, 4), round(b - t_run, 4)] for a, b in getattr(stats, k)]
             for k in ("gen", "train", "sync")
         },
     }
@@ -949,21 +934,44 @@ def step_metrics(step, stats, cfg, version, t_step, t_run, evaluation=None):
     return row
 
 
+def sample_metrics(samples, cfg, version):
+    """What a step's `samples` say, trained on our weights `version`: rewards, lengths, tool calls,
+    the entropy of the sampled tokens, how stale they are."""
+    groups = torch.tensor([s.reward for s in samples]).view(-1, cfg.group_size)
+    # per sample: the tokens it sampled
+    lengths = torch.tensor([sum(s.mask) for s in samples]).float()
+    # the server's logprobs of the sampled tokens: minus their mean estimates the entropy
+    sampled = torch.tensor([lp for s in samples for lp in s.sampled(s.logprobs)])
+    # how many versions behind ours the weights that sampled each completion token are
+    staleness = torch.tensor([version - v for s in samples for v in s.sampled(s.versions)])
+    return {
+        "reward": groups.mean().item(),
+        "accuracy": (groups >= cfg.success_threshold).float().mean().item(),
+        # of the sampled tokens, estimated by them: mean -log p
+        "entropy": -sampled.mean().item(),
+        "completion_length": lengths.mean().item(),
+        "completion_length_max": int(lengths.max()),
+        # the share of samples that --max-tokens cut
+        "truncated": torch.tensor([s.truncated for s in samples]).float().mean().item(),
+        # the share of samples that called a tool; their tool calls, those that answered an error
+        "tool_share": torch.tensor([s.tool_calls > 0 for s in samples]).float().mean().item(),
+        "tool_calls": sum(s.tool_calls for s in samples),
+        "tool_errors": sum(s.tool_errors for s in samples),
+        # TRL's name: the groups skipped by backward, all rewards equal
+        "frac_reward_zero_std": (groups == groups[:, :1]).all(1).float().mean().item(),
+        "tokens": int(lengths.sum()),
+        "staleness": staleness.float().mean().item(),
+        "staleness_max": int(staleness.max()),
+        # (B, functions): NaN where a function does not apply
+        **reward_metrics(Rewards(cfg).names, torch.tensor([s.rewards for s in samples])),
+    }
+
+
 def reward_metrics(names, each_reward):
     """reward/<name>: each reward function's mean over the samples it applies to (TRL's), of
     `each_reward` (samples, functions), NaN where one does not apply; None where none does."""
     means = each_reward.nanmean(dim=0).tolist()
     return {f"reward/{name}": None if math.isnan(m) else m for name, m in zip(names, means)}
-
-
-def tool_metrics(tool_calls):
-    """The share of samples that called a tool, the step's tool calls, and those that answered an
-    error, from each sample's (calls, errors) (B, 2); a warning when most of the calls failed."""
-    calls, errors = tool_calls.sum(0).tolist()
-    if errors > calls / 2:
-        print(f"\nWARNING: {errors} of the step's {calls} tool calls failed", file=sys.stderr)
-    share = (tool_calls[:, 0] > 0).float().mean().item()
-    return {"tool_share": share, "tool_calls": calls, "tool_errors": errors}
 
 
 # dense bf16 TFLOP/s by CUDA device name (the vendors' figures): the first key the name contains
@@ -1397,8 +1405,6 @@ def evaluate(client, rows, cfg):
     tools = chat_tools(client, episode_tools(cfg))
     groups = []
     for row, samples in zip(rows, sample_held_out(client, rows, cfg), strict=True):
-        if len(samples) != cfg.eval_n:
-            raise RuntimeError(f"{len(samples)} samples for {row['prompt']!r}, asked {cfg.eval_n}")
         group = []
         for sample in samples:
             episode = isinstance(sample, Episode)
@@ -1480,8 +1486,7 @@ def final_eval(client, held_out, cfg):
         + " ".join(f"{k}={v:.3f}" for k, v in result.items() if "/" not in k)
     )
     record = {"model": cfg.model or server["model"], "version": server["version"], **result}
-    with open(os.path.join(cfg.out, "eval.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    Path(cfg.out, "eval.json").write_text(json.dumps(record, indent=1))
     return result
 
 
@@ -1489,14 +1494,9 @@ def eval_only(client, cfg, held_out):
     """--eval-only: evaluate --model. A server given by --server-url gets its weights pushed first
     (one that train.py starts loads them, and gets an adapter pushed); without --model, what that
     server holds is evaluated. eval.json and eval_samples.jsonl then hold this evaluation alone."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(cfg.out, "eval_samples.jsonl"))
+    Path(cfg.out, "eval_samples.jsonl").unlink(missing_ok=True)
     if cfg.model and (cfg.server_url or cfg.lora_rank):
-        model = load_policy(cfg)
-        # an adapter goes in an HTTP body: no weight sync to set up
-        if not cfg.lora_rank:
-            client.init_communicator(host=cfg.trainer_host, device=cfg.device)
-        client.update_model_params(model)
+        first_push(client, cfg, load_policy(cfg))
         client.close_communicator()
     return final_eval(client, held_out, cfg)
 
@@ -1539,7 +1539,7 @@ def start_run(cfg, opt, rng, data):
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             history = [row for row in map(json.loads, f) if row["step"] < state["step"]]
         start, rows = state["step"], state["rows"]
-    # steps start..start+K sampled ahead (Sampler.submit_next); a checkpoint holds them, fewer
+    # steps start..start+K sampled ahead (Sampler.advance); a checkpoint holds them, fewer
     # (one of a run that ended, or of a smaller K), or more (of a larger K: Sampler keeps them)
     while len(rows) <= min(cfg.max_staleness, cfg.steps - 1 - start):
         rows.append(rng.sample(data, cfg.prompts_per_step))
@@ -1690,17 +1690,15 @@ class ShardedPolicy(Policy):
         # a micro-batch's prompts divide among the ranks (Config), so each share holds whole groups
         share = slice(rank * len(samples) // self.ranks, (rank + 1) * len(samples) // self.ranks)
         mine = (samples[share], advantages[share], version, self.cfg, pad_id, measure_all)
-        # skip off: every rank runs as many forward/backward passes as the others (see forwards)
-        statistics = backward(self.model, *mine, skip=False)
-        # the statistics of every rank's share
+        # every rank's statistics; skip off: every rank runs as many forward/backward passes as the
+        # others (see forwards)
         shares = [None] * self.ranks
-        dist.all_gather_object(shares, statistics)
-        weights, deltas, losses = zip(*shares)
-        return torch.cat(weights), torch.cat(deltas), sum(losses)
+        dist.all_gather_object(shares, backward(self.model, *mine, skip=False))
+        return Backward.joined(shares)
 
-    def step(self, stats):
-        lead("step", {"divisor": stats["divisor"], "train": []})
-        super().step(stats)
+    def step(self, divisor):
+        lead("step", divisor)
+        return super().step(divisor)
 
     def zero_grad(self):
         lead("zero_grad")

@@ -323,17 +323,17 @@ def test_a_run_resumed_with_more_staleness_than_its_checkpoint_reaches_it(
 def test_the_first_step_measures_the_mismatch_on_every_sample_even_when_none_trains(
     server, model_path, tmp_path, rewards, capsys
 ):
-    """A reward that is always 0.5: every group is skipped, and yet the first step (and every
-    --mismatch-every steps) measures the mismatch on all its sampled tokens, and warns above
-    --mismatch-warning (here any difference at all)."""
-    settings = dict(model=model_path, steps=3, prompts_per_step=4, micro_batches=2, group_size=4)
-    settings |= dict(max_tokens=6, reward="rewards:half", mismatch_warning=0.0, mismatch_every=2)
+    """A reward that is always 0.5: every group is skipped, and yet the first step measures the
+    mismatch on all its sampled tokens, and warns above --mismatch-warning (here any difference at
+    all); the steps after it measure the tokens trained on: none."""
+    settings = dict(model=model_path, steps=2, prompts_per_step=4, micro_batches=2, group_size=4)
+    settings |= dict(max_tokens=6, reward="rewards:half", mismatch_warning=0.0)
     out = tmp_path / "run"
     train.train(train.Config(**settings, out=str(out)), server)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [row["frac_reward_zero_std"] for row in rows] == [1.0] * 3
-    # steps 0 and 2: every completion token (each ends in a sampled token, not in the prompt)
-    assert [row["mismatch_tokens"] for row in rows] == [rows[0]["tokens"], 0, rows[2]["tokens"]]
+    assert [row["frac_reward_zero_std"] for row in rows] == [1.0] * 2
+    # step 0: every completion token (each ends in a sampled token, not in the prompt)
+    assert [row["mismatch_tokens"] for row in rows] == [rows[0]["tokens"], 0]
     assert rows[0]["mismatch_mean"] > 0 and rows[1]["mismatch_mean"] is None
     assert "WARNING" in capsys.readouterr().err
 
