@@ -310,7 +310,7 @@ def train(cfg: Config, client: Client, data=None):
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, policy, tok, step + 1, rng, sampler)
             row = step_metrics(step, stats, cfg, t_step, t_run, evaluation)
-            warn_first_step(row, cfg)
+            warn(row, cfg)
             run_log.log(row)
             show_progress(bar, row)
         if cfg.eval_every:
@@ -1038,10 +1038,10 @@ def mismatch_metrics(deltas):
     }
 
 
-def warn_first_step(row, cfg):
-    """At the first step (`row`'s), loud warnings: if the trainer and the server disagree on the
-    sampled tokens' logprobs by more than --mismatch-warning on average; if --max-tokens cut every
-    completion."""
+def warn(row, cfg):
+    """Loud warnings about a step (`row`'s): at the first, if the trainer and the server disagree
+    on the sampled tokens' logprobs by more than --mismatch-warning on average, or if --max-tokens
+    cut every completion; at any, if most of its tool calls failed."""
     if row["step"] == 0 and (row["mismatch_mean"] or 0.0) > cfg.mismatch_warning:
         print(
             f"\nWARNING: the trainer's logprobs of the sampled tokens differ from the server's by "
@@ -1053,6 +1053,9 @@ def warn_first_step(row, cfg):
     if row["step"] == 0 and row["truncated"] == 1:
         warning = f"every completion of step 0 hit --max-tokens {cfg.max_tokens}: raise it"
         print(f"\nWARNING: {warning}\n", file=sys.stderr)
+    if row["tool_errors"] > row["tool_calls"] / 2:
+        warning = f"{row['tool_errors']} of the step's {row['tool_calls']} tool calls failed"
+        print(f"\nWARNING: {warning}", file=sys.stderr)
 
 
 def show_progress(bar, row):
