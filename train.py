@@ -1262,6 +1262,10 @@ def read_dataset(name, cfg):
 def load_tokenizer(model, chat_template=""):
     """--model's tokenizer; its chat template --chat-template's file, if given."""
     tok = AutoTokenizer.from_pretrained(model)
+    # padding is masked out wherever it goes: a tokenizer without a pad token (Llama 3's) pads
+    # with its end of text
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     if chat_template:
         tok.chat_template = Path(chat_template).read_text()
     return tok

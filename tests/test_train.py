@@ -266,6 +266,16 @@ def test_a_first_step_whose_completions_all_hit_max_tokens_warns_naming_the_flag
     assert capsys.readouterr().err == ""
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_its_end_of_text(model_path, tmp_path):
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path)
+    loaded = train.load_tokenizer(str(tmp_path))
+    assert loaded.pad_token_id == tok.eos_token_id is not None
+    batch = train.make_batch([[5, 6, 7], [5]], [[8], [9, 10]], loaded.pad_token_id)
+    assert batch["input_ids"][1].tolist() == [5, 9, 10, tok.eos_token_id]
+
+
 def test_a_step_whose_tool_calls_mostly_failed_warns_at_any_step(capsys):
     cfg = train.Config(model="m")
     row = {"step": 7, "truncated": 0.0, "mismatch_mean": 0.0, "tool_calls": 4, "tool_errors": 3}
