@@ -310,7 +310,7 @@ def train(cfg: Config, client: Client, data=None):
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(cfg, policy, tok, step + 1, rng, sampler)
             row = step_metrics(step, stats, cfg, t_step, t_run, evaluation)
-            warn(row, cfg)
+            warn(row, cfg, first=step == start)
             run_log.log(row)
             show_progress(bar, row)
         if cfg.eval_every:
@@ -1038,11 +1038,12 @@ def mismatch_metrics(deltas):
     }
 
 
-def warn(row, cfg):
-    """Loud warnings about a step (`row`'s): at the first, if the trainer and the server disagree
-    on the sampled tokens' logprobs by more than --mismatch-warning on average, or if --max-tokens
-    cut every completion; at any, if most of its tool calls failed."""
-    if row["step"] == 0 and (row["mismatch_mean"] or 0.0) > cfg.mismatch_warning:
+def warn(row, cfg, first):
+    """Loud warnings about a step (`row`'s): at this process's `first` (a resumed run's too), if
+    the trainer and the server disagree on the sampled tokens' logprobs by more than
+    --mismatch-warning on average, or if --max-tokens cut every completion; at any step, if most of
+    its tool calls failed."""
+    if first and (row["mismatch_mean"] or 0.0) > cfg.mismatch_warning:
         print(
             f"\nWARNING: the trainer's logprobs of the sampled tokens differ from the server's by "
             f"{row['mismatch_mean']:.3g} on average (max {row['mismatch_max']:.3g}), above "
@@ -1050,8 +1051,10 @@ def warn(row, cfg):
             f"template on the two sides, the served --dtype, the family's logit post-processing.\n",
             file=sys.stderr,
         )
-    if row["step"] == 0 and row["truncated"] == 1:
-        warning = f"every completion of step 0 hit --max-tokens {cfg.max_tokens}: raise it"
+    if first and row["truncated"] == 1:
+        warning = (
+            f"every completion of step {row['step']} hit --max-tokens {cfg.max_tokens}: raise it"
+        )
         print(f"\nWARNING: {warning}\n", file=sys.stderr)
     if row["tool_errors"] > row["tool_calls"] / 2:
         warning = f"{row['tool_errors']} of the step's {row['tool_calls']} tool calls failed"

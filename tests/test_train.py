@@ -246,23 +246,26 @@ def test_a_mismatch_above_the_threshold_at_the_first_step_warns_naming_the_usual
     cfg = train.Config(model="m", mismatch_warning=0.05)
     row = {"step": 0, "truncated": 0.5, "tool_calls": 0, "tool_errors": 0}
     row |= train.mismatch_metrics(torch.tensor([0.2, -0.1]))
-    train.warn(row, cfg)
+    train.warn(row, cfg, first=True)
     warning = capsys.readouterr().err
     assert all(cause in warning for cause in ("WARNING", "tokenizer", "dtype", "post-processing"))
+    # a resumed run's first step warns too
+    train.warn({**row, "step": 7}, cfg, first=True)
+    assert "WARNING" in capsys.readouterr().err
     # below the threshold, or at a later step: silent
-    train.warn({**row, **train.mismatch_metrics(torch.tensor([0.01, -0.02]))}, cfg)
-    train.warn({**row, "step": 1}, cfg)
+    train.warn({**row, **train.mismatch_metrics(torch.tensor([0.01, -0.02]))}, cfg, first=True)
+    train.warn({**row, "step": 1}, cfg, first=False)
     assert capsys.readouterr().err == ""
 
 
 def test_a_first_step_whose_completions_all_hit_max_tokens_warns_naming_the_flag(capsys):
     cfg = train.Config(model="m", max_tokens=4)
     row = {"step": 0, "truncated": 1.0, "mismatch_mean": 0.0, "tool_calls": 0, "tool_errors": 0}
-    train.warn(row, cfg)
+    train.warn(row, cfg, first=True)
     assert "WARNING: every completion of step 0 hit --max-tokens 4" in capsys.readouterr().err
     # some completions end on their own, or a later step: silent
-    train.warn({**row, "truncated": 0.9}, cfg)
-    train.warn({**row, "step": 1}, cfg)
+    train.warn({**row, "truncated": 0.9}, cfg, first=True)
+    train.warn({**row, "step": 1}, cfg, first=False)
     assert capsys.readouterr().err == ""
 
 
@@ -279,11 +282,11 @@ def test_a_tokenizer_without_a_pad_token_pads_with_its_end_of_text(model_path, t
 def test_a_step_whose_tool_calls_mostly_failed_warns_at_any_step(capsys):
     cfg = train.Config(model="m")
     row = {"step": 7, "truncated": 0.0, "mismatch_mean": 0.0, "tool_calls": 4, "tool_errors": 3}
-    train.warn(row, cfg)
+    train.warn(row, cfg, first=False)
     assert "WARNING: 3 of the step's 4 tool calls failed" in capsys.readouterr().err
     # half of them, or none called: silent
-    train.warn({**row, "tool_errors": 2}, cfg)
-    train.warn({**row, "tool_calls": 0, "tool_errors": 0}, cfg)
+    train.warn({**row, "tool_errors": 2}, cfg, first=False)
+    train.warn({**row, "tool_calls": 0, "tool_errors": 0}, cfg, first=False)
     assert capsys.readouterr().err == ""
 
 
