@@ -420,7 +420,7 @@ class Client(AbortsOnError):
         self.dtype = None
         # what the last full push sent, {name: tensor} (update_named_param sends it again)
         self.pushed = {}
-        # nccl, gloo: two send buffers, reused between updates; ipc: the one the workers copy from
+        # nccl, gloo: two send buffers, reused between updates (ipc's: IpcBuffer)
         self.buffers = [None, None]
         self.ipc = None
 

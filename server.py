@@ -18,6 +18,7 @@ import functools
 import glob
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import os
@@ -513,8 +514,8 @@ def requested_tasks(app, body) -> dict:
     elif "prompts" in body:
         key = args_key(body)
         # the oldest with these arguments that no other caller is waiting for
-        same = [i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting]
-        ids = same[:1]
+        same = (i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting)
+        ids = list(itertools.islice(same, 1))
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}

@@ -409,7 +409,8 @@ class Sampler:
         # the weights and the queue disagree until both are done: a stop between leaves none
         self.next_step = None
         with timed(stats.train):
-            stats.grad_norm = policy.step(loss_divisor(stats.samples, self.cfg))
+            stats.divisor = loss_divisor(stats.samples, self.cfg)
+            stats.grad_norm = policy.step(stats.divisor)
         self.queue.popleft()
         if step + 1 + self.cfg.max_staleness < self.cfg.steps:
             # rows sampled already (by a run of a larger K) come first, in their order
@@ -482,6 +483,8 @@ class StepStats:
     backwards: list = field(default_factory=list)
     # (computed, useful): backward_flops'
     flops: torch.Tensor = 0
+    # what the step's summed gradient was divided by (loss_divisor), and then its norm
+    divisor: int = 0
     grad_norm: float = 0.0
     gen: list = field(default_factory=list)
     train: list = field(default_factory=list)
@@ -908,7 +911,7 @@ def step_metrics(step, stats, cfg, t_step, t_run, evaluation=None):
         "step": step,
         **sample_metrics(stats.samples, cfg, stats.version),
         # what the gradient is of: the summed loss over the step's loss_divisor
-        "loss": joined.loss / max(loss_divisor(stats.samples, cfg), 1),
+        "loss": joined.loss / max(stats.divisor, 1),
         "version": stats.version,
         # which prompts the step trained on, in a number: runs compare their steps by it
         "prompts_crc32": zlib.crc32(json.dumps([r["prompt"] for r in stats.rows]).encode()),
