@@ -38,9 +38,10 @@ waiting for samples), tokens, and the step with its min and max; the trainer-ser
 |logprob difference| of the sampled tokens); then over those steps together: the engine's idle
 seconds per step (the steps' span less the union of the spans in which some request of a
 micro-batch was generating: a request paused by an in-flight update counts as generating) and
-completion tokens per second. Then each run's share of zero-advantage groups and gradient norms:
-a run that skipped more than half its groups, or had a zero gradient, stops the benchmark (exit
-1) before any speed-up is printed (bench/runs.py). Then `G/T=` of the sync-batch run. The last
+completion tokens per second. Each run's share of zero-advantage groups and gradient norms is
+printed as it ends: a run that skipped more than half its groups, or had a zero gradient, stops
+the benchmark there (exit 1), the next runs not started and no speed-up printed (bench/runs.py).
+Then `G/T=` of the sync-batch run. The last
 lines are `<name>_speedup=<x>` for each schedule (sync-batch's median step over its own),
 `bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from sync-batch: on-policy overlap's best) and
 `stale_bound=` ((G+T+S) / (max(G,T) + S)). Then it draws `--out`/timeline.png: three steps each of
@@ -259,6 +260,8 @@ def run_schedules(args, model, server_flags, trainer):
             )
             print(json.dumps(vars(cfg)), flush=True)
             histories[name] = train.train(cfg, client)
+            # no speed-up from a run that skipped its training: the next runs are not started
+            refuse_hollow({name: histories[name][args.warmup :]})
     return histories
 
 
@@ -274,8 +277,6 @@ def report(args, histories):
     print(f"{'schedule':<14} " + " ".join(f"{c:>12}" for c in columns))
     for name, m in results.items():
         print(f"{name:<14} " + " ".join(f"{m[c]:12.3f}" for c in columns))
-    # no speed-up from a run that skipped its training
-    refuse_hollow({name: h[args.warmup :] for name, h in histories.items()})
     base = results["sync-batch"]
     G, T, S = base["G"], base["T"], base["S"]
     print(f"G/T={G / T:.2f} (sync-batch: G={G:.3f} s, T={T:.3f} s, S={S:.3f} s per step)")

@@ -52,6 +52,8 @@ def test_the_overlap_bench_refuses_a_speedup_where_a_side_trained_nothing(
         "no speed-up reported" in run.stderr and "100% of its groups had no advantage" in run.stderr
     )
     assert "_speedup=" not in run.stdout
+    # stopped at the first such run: overlap was not started
+    assert "sync-batch: frac_reward_zero_std=" in run.stdout and "overlap:" not in run.stdout
 
 
 def test_the_scale_bench_refuses_a_speedup_where_a_side_trained_nothing(
