@@ -41,11 +41,11 @@ micro-batch was generating: a request paused by an in-flight update counts as ge
 completion tokens per second. Each run's share of zero-advantage groups and gradient norms is
 printed as it ends: a run that skipped more than half its groups, or had a zero gradient, stops
 the benchmark there (exit 1), the next runs not started and no speed-up printed (bench/runs.py).
-Then `G/T=` of the sync-batch run. The last
-lines are `<name>_speedup=<x>` for each schedule (sync-batch's median step over its own),
-`bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N + S) from sync-batch: on-policy overlap's best) and
-`stale_bound=` ((G+T+S) / (max(G,T) + S)). Then it draws `--out`/timeline.png: three steps each of
-sync-batch, overlap, drain K=1 and in-flight K=1 on one time axis (plot.draw_timeline).
+Then `G/T=` of the sync-batch run. The last lines are `<name>_speedup=<x>` for each schedule
+(sync-batch's median step over its own), `bound=` (b = (G+T+S) / (max(G,T) + min(G,T)/N + S)
+from sync-batch: on-policy overlap's best) and `stale_bound=` ((G+T+S) / (max(G,T) + S)). Then it
+draws `--out`/timeline.png: three steps each of sync-batch, overlap, drain K=1 and in-flight K=1
+on one time axis (plot.draw_timeline).
 """
 
 import argparse
