@@ -122,6 +122,7 @@ class Config:
     scale_rewards: str = flag("group", "TRL's: advantages / the std of", ["group", "batch", "none"])
     # memory
     train_micro_batch: int = flag(0, "sequences per forward/backward (0: all)", at_least=0)
+    train_micro_tokens: int = flag(0, "padded tokens per forward at most (0: any)", at_least=0)
     bf16: bool = flag(False, "bfloat16 autocast for forward and backward (fp32 master weights)")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
     # the schedule
@@ -765,8 +766,8 @@ def backward(model, samples, advantages, version, cfg, pad_id, measure_all=False
 
 
 def forwards(samples, advantages, cfg, measure_all=False, skip=True):
-    """Yield backward's forwards as (sequences, their advantages, with gradient), each of
-    --train-micro-batch sequences (0: all)."""
+    """Yield backward's forwards as (sequences, their advantages, with gradient), each of at most
+    --train-micro-batch sequences and --train-micro-tokens padded tokens (a longer one alone)."""
     # a sample of advantage 0 adds nothing to the gradient: no forward for it, though it counts in
     # the divisor; with `skip` off (torchrun) every rank runs as many passes as the others, FSDP's
     # gathers being collective
@@ -777,10 +778,17 @@ def forwards(samples, advantages, cfg, measure_all=False, skip=True):
         index = chosen.nonzero().flatten()
         # longest first: a forward pads its sequences to the longest, so like lengths go together
         index = sorted(index.tolist(), key=lambda i: -len(samples[i].ids))
-        size = cfg.train_micro_batch or max(len(index), 1)
-        for i in range(0, len(index), size):
-            chunk = index[i : i + size]
-            yield [samples[j] for j in chunk], advantages[chunk], grad
+        size = cfg.train_micro_batch or len(index)
+        chunk = []
+        for j in index:
+            # a forward of longest-first sequences pads them all to its first one's length
+            padded = (len(chunk) + 1) * len(samples[chunk[0]].ids) if chunk else 0
+            if chunk and (len(chunk) == size or padded > (cfg.train_micro_tokens or padded)):
+                yield [samples[i] for i in chunk], advantages[chunk], grad
+                chunk = []
+            chunk.append(j)
+        if chunk:
+            yield [samples[i] for i in chunk], advantages[chunk], grad
 
 
 def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) -> Backward:

@@ -167,6 +167,8 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     for memory in (
         {"train_micro_batch": 5},
         {"train_micro_batch": 1},
+        {"train_micro_tokens": 20},
+        {"train_micro_tokens": 20, "train_micro_batch": 3},
         {"gradient_checkpointing": True},
     ):
         assert torch.allclose(
@@ -177,6 +179,29 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     assert not torch.equal(bf16, whole) and torch.cosine_similarity(bf16, whole, dim=0) > 0.99
     both = trainer_gradient(model, seqs, advantages, bf16=True, gradient_checkpointing=True)
     assert torch.cosine_similarity(both, whole, dim=0) > 0.99
+
+
+def test_a_token_budget_packs_longest_first_forwards_up_to_their_padded_size():
+    """--train-micro-tokens: each forward pads to at most so many tokens, as many sequences as
+    fit; a sequence longer than the budget runs alone; --train-micro-batch caps the count too."""
+    lengths = [9, 3, 7, 7, 2, 30, 4, 4, 4, 1]
+    seqs = seqs_of([[5] * n for n in lengths], [[6]] * len(lengths))
+    advantages = torch.ones(len(seqs))
+
+    def planned(**memory):
+        plan = train.forwards(seqs, advantages, train.Config(model="m", **memory))
+        return [[len(s.ids) for s in part] for part, _, _ in plan]
+
+    assert planned(train_micro_tokens=20) == [[31], [10, 8], [8, 5], [5, 5, 4, 3], [2]]
+    assert planned(train_micro_tokens=20, train_micro_batch=2) == [
+        [31],
+        [10, 8],
+        [8, 5],
+        [5, 5],
+        [4, 3],
+        [2],
+    ]
+    assert planned() == [sorted((n + 1 for n in lengths), reverse=True)]
 
 
 def test_groups_with_equal_rewards_get_no_forward_and_leave_the_gradient_unchanged(model_path):
