@@ -778,17 +778,16 @@ def forwards(samples, advantages, cfg, measure_all=False, skip=True):
         index = chosen.nonzero().flatten()
         # longest first: a forward pads its sequences to the longest, so like lengths go together
         index = sorted(index.tolist(), key=lambda i: -len(samples[i].ids))
-        size = cfg.train_micro_batch or len(index)
-        chunk = []
+        part = []
         for j in index:
             # a forward of longest-first sequences pads them all to its first one's length
-            padded = (len(chunk) + 1) * len(samples[chunk[0]].ids) if chunk else 0
-            if chunk and (len(chunk) == size or padded > (cfg.train_micro_tokens or padded)):
-                yield [samples[i] for i in chunk], advantages[chunk], grad
-                chunk = []
-            chunk.append(j)
-        if chunk:
-            yield [samples[i] for i in chunk], advantages[chunk], grad
+            padded = (len(part) + 1) * len(samples[part[0]].ids) if part else 0
+            if part and (len(part) == cfg.train_micro_batch or 0 < cfg.train_micro_tokens < padded):
+                yield [samples[i] for i in part], advantages[part], grad
+                part = []
+            part.append(j)
+        if part:
+            yield [samples[i] for i in part], advantages[part], grad
 
 
 def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) -> Backward:
