@@ -22,7 +22,8 @@ def test_vllm_0_26_version_marks_of_a_cancelled_request_are_dropped(model_path, 
     monkeypatch.delattr(EngineClient, "update_weight_version")
 
     async def scenario():
-        engine = Engine(engine_args(model_path))
+        # forked, as server.py's (this process runs at one PyTorch thread: conftest)
+        engine = Engine(engine_args(model_path), fork=True)
         try:
             params = SamplingParams(max_tokens=1500, ignore_eos=True)
             request = asyncio.ensure_future(engine.generate(["x"], params))
