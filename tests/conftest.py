@@ -45,9 +45,9 @@ GPU_FLAGS = (
 # -- servers started side by side --------------------------------------------------------------
 # A server takes ~12 s of one core to start (its engine core and worker forked from it, at one
 # thread: engine.Engine; ~30 s spawned, each process importing vLLM) and ~6 s to stop. Much of the
-# suite's time is spent there, so servers that do not depend on each
-# other start in background threads, two at a time (four with a GPU machine's cores), while other
-# tests run; and they stop without the next test waiting for them.
+# suite's time is spent there, so servers that do not depend on each other start in background
+# threads, two at a time (four with a GPU machine's cores), while other tests run; and they stop
+# without the next test waiting for them.
 STARTS = ThreadPoolExecutor(4 if torch.cuda.is_available() else 2)
 
 
