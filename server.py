@@ -527,9 +527,8 @@ def requested_tasks(app, body) -> dict:
 
 
 async def get_future(request):
-    """The result of one request (by id or by identical arguments), or of every one of
-    `request_ids` done once one is; waiting at most `timeout` s. A failed request answers alone:
-    404 aborted, 422 refused by the engine, 503 the engine died (docs/http.md)."""
+    """The result of a request (by id or identical arguments), or of each of `request_ids` done
+    once one is, within `timeout` s; a failure answers alone (404, 422, 503: docs/http.md)."""
     body = await read_json(request)
     state = request.app[STATE]
     timeout = checked_field(body, "timeout", float, 60, 0, 3600, " seconds")
