@@ -27,7 +27,7 @@ run: $(READY)
 test: $(READY)
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
-	$(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder --durations=10
+	$(PY) -m pytest tests -n 2 --dist loadfile --durations=10
 
 test-gpu:
 	python3 -m pytest -m gpu --durations=10

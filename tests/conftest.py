@@ -51,18 +51,6 @@ GPU_FLAGS = (
 STARTS = ThreadPoolExecutor(4 if torch.cuda.is_available() else 2)
 
 
-# make test's two workers take whole files in this order (--no-loadscope-reorder), the longest
-# first, so that they end together: the rest after them as collected (seconds each took on this
-# 2-core machine, all in all: 150, 140, 100, 90, 80, 80, 65)
-LONGEST_FIRST = ("bench", "scale", "hardening", "rollout", "train", "weight_sync", "families")
-
-
-def pytest_collection_modifyitems(items):
-    """The test files in LONGEST_FIRST's order, each file's tests in their own."""
-    order = [f"test_{name}" for name in LONGEST_FIRST]
-    items.sort(key=lambda item: order.index(item.path.stem) if item.path.stem in order else 99)
-
-
 def start_server(*flags, **options):
     """launch_server(*flags, **options) in the background: a Future of (process, Client)."""
     return STARTS.submit(launch_server, *flags, **options)
