@@ -1,0 +1,221 @@
+"""The server's engine generating a user-sized step: completion tokens/s against the bound that the
+memory bandwidth sets, for the default settings and for each of vLLM's levers tried.
+
+    # one H200: 64 prompts x 8 samples x 512 tokens of the 0.5B shape, every lever
+    python3 bench/generation.py --device cuda
+    python3 bench/generation.py --device cuda --levers "default,async scheduling"
+    # CPU: the tiny model, a smoke run
+    .venv/bin/python bench/generation.py --prompts 4 --n 2 --max-tokens 16 --rounds 2
+
+Each lever is one engine, as the server builds it (engine.engine_args) with the lever's
+AsyncEngineArgs fields on top, started alone and stopped before the next. Its step: --prompts
+prompts of --task, rendered as train.py sends them, each sampled --n times at temperature 1 with
+the sampled tokens' logprobs (what a trainer asks), `ignore_eos` so that every completion is
+--max-tokens long. One step warms up; --rounds steps are timed. The weights are train.py's
+built-in model of --model-size, untrained: the speed does not depend on them.
+
+The bound: each decode step reads every weight once and the KV cache of every sequence running,
+at --bandwidth bytes/s (4.2e12: what the H200 measured; on a CPU, give its own), with sequences
+admitted in waves of the engine's max_num_seqs. Prefill is in the measured time and not in the
+bound: the fraction printed is what the engine reaches of the bound, at least.
+
+Printed per lever: the settings vLLM resolved, then `<lever>: <tok/s> (min-max) tok/s, <f> of
+the bound`; last, each lever's speed over the default's where it ran: `<lever>_vs_default=`.
+"""
+
+import argparse
+import asyncio
+import glob
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+
+import train  # noqa: E402
+from engine import Engine, engine_args  # noqa: E402
+from tasks import TASKS  # noqa: E402
+
+# the levers: AsyncEngineArgs fields over the server's defaults (vLLM's own where it sets none)
+LEVERS = {
+    "default": {},
+    # n samples of one prompt share its KV blocks (vLLM 0.26 caches prefixes by default)
+    "no prefix caching": {"enable_prefix_caching": False},
+    "prefix caching": {"enable_prefix_caching": True},
+    "max-num-seqs 256": {"max_num_seqs": 256},
+    "max-num-seqs 1024": {"max_num_seqs": 1024},
+    # a CUDA graph for every batch size up to 512, in steps of 16 past 8
+    "cudagraphs to 512": {
+        "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, *range(16, 513, 16)]}
+    },
+    # the scheduler plans step t+1 while step t runs
+    "async scheduling": {"async_scheduling": True},
+}
+# what a CPU engine can take: no CUDA graphs, no async scheduling
+CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
+
+
+class SyncEngine:
+    """An Engine on its own loop in a background thread, driven from plain Python."""
+
+    def __init__(self, args):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        # forked engine core and worker where that is safe (engine.Engine: one thread on a CPU)
+        self.engine = Engine(args, fork=True)
+
+    def generate(self, prompts, params, timeout=1800.0):
+        coro = self.engine.generate(prompts, params)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def shutdown(self):
+        async def stop():
+            self.engine.llm.shutdown()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def resolved(engine):
+    """The settings that decide decode speed, as vLLM resolved them: {name: value}."""
+    config = engine.llm.vllm_config
+    sizes = config.compilation_config.cudagraph_capture_sizes or []
+    return {
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "prefix_caching": config.cache_config.enable_prefix_caching,
+        "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
+        "cudagraphs": "none" if config.model_config.enforce_eager else f"up to {max(sizes)}",
+    }
+
+
+def bytes_read(model, dtype_bytes):
+    """(the weights' bytes, the KV cache's bytes per token) of the model folder `model`."""
+    params = 0
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            names = f.keys()
+            params += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    hf = AutoConfig.from_pretrained(model)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * dtype_bytes
+    return params * dtype_bytes, kv
+
+
+def bound(prompt_lens, n, max_tokens, max_num_seqs, weights, kv, bandwidth):
+    """Completion tokens/s if every decode step took the time to read the weights and the KV
+    cache of the sequences running, each wave of max_num_seqs sequences decoding to the end."""
+    seqs = [length for length in prompt_lens for _ in range(n)]
+    seconds = 0.0
+    for start in range(0, len(seqs), max_num_seqs):
+        wave = seqs[start : start + max_num_seqs]
+        # step t reads the weights, and each sequence's prompt and its t tokens so far
+        steps = max_tokens * weights + kv * max_tokens * sum(wave)
+        steps += kv * len(wave) * max_tokens * (max_tokens - 1) / 2
+        seconds += steps / bandwidth
+    return len(seqs) * max_tokens / seconds
+
+
+def run_lever(name, args, prompts, a):
+    """One lever's engine: its resolved settings and the tokens/s of each timed round."""
+    engine = SyncEngine(args)
+    params = SamplingParams(
+        n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0
+    )
+    try:
+        settings = resolved(engine.engine)
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
+        engine.generate(prompts, params)  # warm-up
+        rates = []
+        for _ in range(a.rounds):
+            start = time.perf_counter()
+            results = engine.generate(prompts, params)
+            tokens = sum(len(c.token_ids) for group in results for c in group)
+            rates.append(tokens / (time.perf_counter() - start))
+    finally:
+        engine.shutdown()
+    return settings, rates
+
+
+def parse_args():
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda" if gpu else "cpu", help="cuda or cpu")
+    p.add_argument("--model-size", help="train.py's built-in shape; default: 0.5b GPU, tiny CPU")
+    p.add_argument("--task", default="chat-sums", help="whose prompts (tasks.TASKS)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts a step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per completion (all)")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per lever (median)")
+    default = ",".join(LEVERS) if gpu else ",".join(CPU_LEVERS)
+    p.add_argument("--levers", default=default, help=f"of {', '.join(LEVERS)}")
+    p.add_argument("--bandwidth", type=float, default=4.2e12, help="memory bytes/s")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="GPU share")
+    a = p.parse_args()
+    a.model_size = a.model_size or ("0.5b" if a.device.startswith("cuda") else "tiny")
+    a.levers = [name.strip() for name in a.levers.split(",") if name.strip()]
+    unknown = [name for name in a.levers if name not in LEVERS]
+    if unknown or a.task not in TASKS:
+        p.error(f"unknown: {', '.join(unknown) or a.task}; levers: {', '.join(LEVERS)}")
+    return a
+
+
+def main():
+    a = parse_args()
+    cfg = train.Config(task=a.task, model_size=a.model_size, device=a.device)
+    model, _ = train.builtin_folders(cfg)
+    rows = TASKS[a.task].data(a.prompts, 0)
+    tok = train.load_tokenizer(model)
+    rendered = [
+        train.rendered_prompt(row, replace(cfg, model=model), tokenize=True) for row in rows
+    ]
+    # token ids: a plain prompt comes back as its text
+    prompts = [
+        tok.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in rendered
+    ]
+    gpu = a.device.startswith("cuda")
+    dtype = "bfloat16" if gpu else "float32"
+    weights, kv = bytes_read(model, 2 if gpu else 4)
+    print(
+        f"workload: {a.prompts} prompts of {a.task} ({statistics.mean(map(len, prompts)):.0f} "
+        f"tokens on average) x {a.n} x {a.max_tokens} tokens, the {a.model_size} shape in {dtype}"
+        f" ({weights / 2**20:.1f} MiB of weights, {kv} bytes of KV a token), {a.rounds} rounds",
+        flush=True,
+    )
+    speeds = {}
+    for name in a.levers:
+        flags = {"dtype": dtype, **LEVERS[name]}
+        if gpu:
+            flags["gpu_memory_utilization"] = a.gpu_memory_utilization
+        settings, rates = run_lever(name, engine_args(model, **flags), prompts, a)
+        ceiling = bound(
+            list(map(len, prompts)),
+            a.n,
+            a.max_tokens,
+            settings["max_num_seqs"],
+            weights,
+            kv,
+            a.bandwidth,
+        )
+        speeds[name] = statistics.median(rates)
+        print(
+            f"{name}: {speeds[name]:.0f} ({min(rates):.0f}-{max(rates):.0f}) tok/s, "
+            f"{speeds[name] / ceiling:.3g} of the bound ({ceiling:.0f} tok/s)",
+            flush=True,
+        )
+    for name, speed in speeds.items():
+        if "default" in speeds and name != "default":
+            print(f"{name.replace(' ', '_')}_vs_default={speed / speeds['default']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
