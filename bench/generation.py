@@ -3,7 +3,7 @@ memory bandwidth sets, for the default settings and for each of vLLM's levers tr
 
     # one H200: 64 prompts x 8 samples x 512 tokens of the 0.5B shape, every lever
     python3 bench/generation.py --device cuda
-    python3 bench/generation.py --device cuda --levers "default,async scheduling"
+    python3 bench/generation.py --device cuda --levers "default,no async scheduling"
     # CPU: the tiny model, a smoke run
     .venv/bin/python bench/generation.py --prompts 4 --n 2 --max-tokens 16 --rounds 2
 
@@ -55,11 +55,9 @@ LEVERS = {
     "max-num-seqs 256": {"max_num_seqs": 256},
     "max-num-seqs 1024": {"max_num_seqs": 1024},
     # a CUDA graph for every batch size up to 512, in steps of 16 past 8
-    "cudagraphs to 512": {
-        "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, *range(16, 513, 16)]}
-    },
-    # the scheduler plans step t+1 while step t runs
-    "async scheduling": {"async_scheduling": True},
+    "cudagraphs to 512": {"cudagraph_capture_sizes": [1, 2, 4, 8, *range(16, 513, 16)]},
+    # the scheduler plans step t+1 while step t runs (vLLM 0.26's default where it can)
+    "no async scheduling": {"async_scheduling": False},
 }
 # what a CPU engine can take: no CUDA graphs, no async scheduling
 CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
