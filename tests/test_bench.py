@@ -8,18 +8,16 @@ Run: .venv/bin/python -m pytest tests/test_bench.py   (against the session serve
 benchmarks take --server-url, and push their model's weights there first)
 """
 
-import contextlib
-import io
 import json
 import os
 import re
-import runpy
 import statistics
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
+
+from conftest import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # few warm-start steps: the smoke runs time nothing; the model only has to write sums
@@ -27,29 +25,8 @@ SMOKE = ("--warm-start-steps", "20")
 
 
 def bench(script, *flags, smoke=SMOKE):
-    """`python bench/SCRIPT FLAGS`, run in this process, where torch and transformers are imported
-    already (~5 s a run less): its exit status and output, as subprocess.run gives them. The
-    variables it sets in os.environ are undone."""
-    argv = [os.path.join(ROOT, "bench", script), *smoke, *flags]
-    out, err, environ = io.StringIO(), io.StringIO(), dict(os.environ)
-    try:
-        with (
-            mock.patch.object(sys, "argv", argv),
-            # the script's folder first, as python puts it (bench/'s modules import each other)
-            mock.patch.object(sys, "path", [os.path.dirname(argv[0]), *sys.path]),
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-        ):
-            runpy.run_path(argv[0], run_name="__main__")
-        status = 0
-    except SystemExit as e:
-        # sys.exit("why") prints why and exits 1, as Python does
-        status = e.code if isinstance(e.code, int) or e.code is None else 1
-        err.write("" if isinstance(e.code, int) or e.code is None else f"{e.code}\n")
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-    return subprocess.CompletedProcess(argv, status or 0, out.getvalue(), err.getvalue())
+    """`python bench/SCRIPT FLAGS`, in this process (conftest.run_in_process)."""
+    return run_in_process(os.path.join(ROOT, "bench", script), *smoke, *flags)
 
 
 def overlap(server, tmp_path, *flags):

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import tasks
 import train
 from client import Client, Router, free_port, push_until_done
-from conftest import GPU_FLAGS, stop_in_background
+from conftest import GPU_FLAGS, run_in_process, stop_in_background
 from local import launch_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -269,17 +269,19 @@ def test_a_killed_server_is_dropped_then_readmitted_with_the_current_weights(
 
 
 def train_py(launcher, server, out, model_path):
-    """train.py for two sync-batch steps on `server`, its requests seeded; returns the final
-    parameters (from its checkpoint) and each step's gradient norm."""
+    """train.py for two sync-batch steps on `server`, its requests seeded, under `launcher` (None:
+    in this process); returns the final parameters (from its checkpoint) and each step's gradient
+    norm."""
     flags = ["--model", model_path, "--server-url", server, "--steps", "2", "--out", str(out)]
     flags += ["--prompts-per-step", "8", "--micro-batches", "2", "--group-size", "4"]
     flags += ["--max-tokens", "8", "--schedule", "sync-batch", "--seed", "3", "--seed-requests"]
-    run = subprocess.run(
-        [*launcher, os.path.join(ROOT, "train.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    script = os.path.join(ROOT, "train.py")
+    if launcher:
+        run = subprocess.run(
+            [*launcher, script, *flags], capture_output=True, text=True, timeout=600
+        )
+    else:
+        run = run_in_process(script, *flags)
     assert run.returncode == 0, run.stderr[-3000:]
     return load_file(out / "checkpoint" / "model.safetensors"), metrics(out)
 
@@ -302,7 +304,7 @@ def test_torchrun_on_two_ranks_ends_with_the_parameters_of_one_process(
     rank computed it."""
     server = f"http://127.0.0.1:{servers['plain'][1]['port']}"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    one, (one_norms, one_tokens) = train_py([sys.executable], server, tmp_path / "one", model_path)
+    one, (one_norms, one_tokens) = train_py(None, server, tmp_path / "one", model_path)
     two, (two_norms, two_tokens) = train_py(torchrun, server, tmp_path / "two", model_path)
     start = load_file(os.path.join(model_path, "model.safetensors"))
     assert one.keys() == two.keys()
@@ -358,8 +360,7 @@ def test_the_scale_bench_on_two_servers_reports_speedups_of_sides_that_trained(s
     # the smallest run that trains on both sides: 2 steps of 8 prompts x 2, one measured
     flags += ["--steps", "2", "--group-size", "2", "--max-tokens", "16"]
     flags += ["--prompts", "4", "--n", "2", "--rounds", "1"]
-    command = [sys.executable, os.path.join(ROOT, "bench", "scale.py"), *flags]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    run = run_in_process(os.path.join(ROOT, "bench", "scale.py"), *flags)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (
         "1 rank: frac_reward_zero_std=" in run.stdout
