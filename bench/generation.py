@@ -24,13 +24,11 @@ the bound`; last, each lever's speed over the default's where it ran: `<lever>_v
 """
 
 import argparse
-import asyncio
 import glob
 import math
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import replace
 
@@ -39,11 +37,12 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from server_throughput import SyncEngine  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 import train  # noqa: E402
-from engine import Engine, engine_args  # noqa: E402
+from engine import engine_args  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 # the levers: AsyncEngineArgs fields over the server's defaults (vLLM's own where it sets none)
@@ -61,27 +60,6 @@ LEVERS = {
 }
 # what a CPU engine can take: no CUDA graphs, no async scheduling
 CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
-
-
-class SyncEngine:
-    """An Engine on its own loop in a background thread, driven from plain Python."""
-
-    def __init__(self, args):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        # forked engine core and worker where that is safe (engine.Engine: one thread on a CPU)
-        self.engine = Engine(args, fork=True)
-
-    def generate(self, prompts, params, timeout=1800.0):
-        coro = self.engine.generate(prompts, params)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def shutdown(self):
-        async def stop():
-            self.engine.llm.shutdown()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def resolved(engine):
@@ -125,7 +103,8 @@ def bound(prompt_lens, n, max_tokens, max_num_seqs, weights, kv, bandwidth):
 
 def run_lever(name, args, prompts, a):
     """One lever's engine: its resolved settings and the tokens/s of each timed round."""
-    engine = SyncEngine(args)
+    # forked engine core and worker where that is safe (engine.Engine: one thread on a CPU)
+    engine = SyncEngine(args, fork=True)
     params = SamplingParams(
         n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0
     )

@@ -34,10 +34,11 @@ from local import launch_server, stop_server, tiny_model  # noqa: E402
 class SyncEngine:
     """Drive an Engine from plain Python: it lives on its own loop in a background thread."""
 
-    def __init__(self, args: AsyncEngineArgs):
+    def __init__(self, args: AsyncEngineArgs, fork=False):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.engine = Engine(args)  # its output handler starts on the loop with the first request
+        # its output handler starts on the loop with the first request; `fork`: engine.Engine's
+        self.engine = Engine(args, fork=fork)
 
     def _run(self, coro, timeout):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

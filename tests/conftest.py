@@ -83,9 +83,11 @@ def run_in_process(path, *args):
             runpy.run_path(path, run_name="__main__")
         status = 0
     except SystemExit as e:
-        # sys.exit("why") prints why and exits 1, as Python does
-        status = e.code if isinstance(e.code, int) or e.code is None else 1
-        err.write("" if isinstance(e.code, int) or e.code is None else f"{e.code}\n")
+        status = e.code
+        if not isinstance(e.code, int | None):
+            # sys.exit("why") prints why and exits 1, as Python does
+            err.write(f"{e.code}\n")
+            status = 1
     finally:
         os.environ.clear()
         os.environ.update(environ)

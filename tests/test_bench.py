@@ -192,10 +192,12 @@ def test_the_trl_bench_refuses_a_speedup_where_a_side_trained_nothing(
     assert "speed-up of ours" not in run.stdout
 
 
-def test_the_generation_bench_prints_a_levers_speed_and_its_share_of_the_bandwidth_bound():
+def test_the_generation_bench_prints_a_levers_speed_and_its_share_of_the_bandwidth_bound(
+    monkeypatch,
+):
     """bench/generation.py's smoke run, one lever (an engine each): the settings vLLM resolved,
     then tokens/s as a fraction of the bound, whose arithmetic is checked by hand."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     from generation import bound
 
     # two sequences of a 10-token prompt, one at a time, 4 tokens each: a wave reads the weights
