@@ -137,6 +137,13 @@ def parse_args():
     p.add_argument("--lr", type=float, help=default("lr"))
     p.add_argument("--reward", default="", help="train.py's --reward (default: the task's)")
     p.add_argument("--seeds", type=int, help="runs per schedule, seeds 0.. (default: 3)")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="train seeds from this one to --seeds-1 only: the earlier seeds' runs come from "
+        "another call (a GPU session each), and a --reuse over their merged --out reports all",
+    )
     p.add_argument("--schedules", help="sync-batch first, then any of bench/overlap.py's RUNS")
     p.add_argument(
         "--target", type=float, help="held-out exact accuracy to reach: " + default("target")
@@ -173,6 +180,8 @@ def parse_args():
         if getattr(args, name) is None:
             smoke = SMOKE.get(name, on_cpu) if args.smoke else on_cpu
             setattr(args, name, on_gpu if gpu else smoke)
+    if not 0 <= args.first_seed < args.seeds:
+        p.error(f"--first-seed {args.first_seed}: one of the seeds 0..{args.seeds - 1}")
     names = args.schedules.split(",")
     if names[0] != "sync-batch" or not set(names) <= set(RUNS):
         p.error(f"--schedules: sync-batch first, then any of {', '.join(RUNS)}")
@@ -186,14 +195,14 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     names = args.schedules.split(",")
     # seed by seed: a benchmark stopped by --stop-after has had every schedule at its first seeds
-    runs = [(name, seed) for seed in range(args.seeds) for name in names]
+    runs = [(name, seed) for seed in range(args.first_seed, args.seeds) for name in names]
     left = [(name, seed) for name, seed in runs if not (args.reuse and finished(args, name, seed))]
     with contextlib.ExitStack() as stack:
         client = None
         for i, (name, seed) in enumerate(left):
             if args.stop_after and time.monotonic() - start > args.stop_after:
                 print(f"\n--stop-after {args.stop_after} s: {len(left) - i} runs left", flush=True)
-                return
+                break
             # the device, the model and a server only where a run trains: a --reuse of finished
             # runs reports on any machine
             if client is None:
@@ -209,6 +218,11 @@ def main():
                 print_setup(args.device, model)
                 client = stack.enter_context(serving(args, model, server_flags))
             train_run(args, client, model, name, seed, trainer | workload)
+    missing = [(name, seed) for seed in range(args.seeds) for name in names]
+    missing = [f"{name} seed {seed}" for name, seed in missing if not finished(args, name, seed)]
+    if missing:
+        print(f"\nnot in --out yet, so no report: {', '.join(missing)}", flush=True)
+        return
     # each run's metrics.jsonl, read once: its evaluations and the workload line come from it
     histories = {name: [metrics(args, name, seed) for seed in range(args.seeds)] for name in names}
     curves = {

@@ -146,9 +146,20 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     # however fast the machine, where 1 ms was not), and a --reuse of finished runs reports them
     # without a server (none listens on port 1)
     flags = (*flags, "--reuse")
-    cut = parity(server, tmp_path, *flags, "--seeds", "3", "--stop-after", "1e-9")
+    cut = parity(server, tmp_path, *flags, "--seeds", "4", "--stop-after", "1e-9")
     assert cut.returncode == 0, cut.stderr[-3000:]
-    assert "--stop-after 1e-09 s: 2 runs left" in cut.stdout and "on-policy band" not in cut.stdout
+    assert "--stop-after 1e-09 s: 4 runs left" in cut.stdout and "on-policy band" not in cut.stdout
+    # seed 3 from another call (--first-seed 3 trains only its runs): until every seed's runs are in
+    # --out, no report
+    later = parity(
+        server, tmp_path, *flags, "--seeds", "4", "--first-seed", "3", "--stop-after", "1e-9"
+    )
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert "--stop-after 1e-09 s: 2 runs left" in later.stdout
+    assert (
+        "no report: sync-batch seed 2, in-flight K=1 seed 2, sync-batch seed 3, in-flight K=1 seed 3"
+        in later.stdout
+    )
     again = parity(server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[-6:] == lines[-6:]
