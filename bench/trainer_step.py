@@ -5,6 +5,10 @@ recipe, on the same sequences and weights, alone and (--beside-server) beside an
     python3 bench/trainer_step.py --device cuda
     # the same with a server.py on the GPU, idle, as in bench/trl_gpu.py's layout of ours
     python3 bench/trainer_step.py --device cuda --beside-server
+    # GPU: a user's step, 64 prompts x 8 of chat-sums up to 512 tokens: ours by a token budget,
+    # TRL's in micro-batches of 32
+    python3 bench/trainer_step.py --device cuda --task chat-sums --step 512 --max-tokens 512 \
+        --micro-tokens 16384
     # CPU: the tiny model
     .venv/bin/python bench/trainer_step.py
 
@@ -22,6 +26,10 @@ turns it off for the process, as vLLM does in TRL's), the same advantages and th
   TRL's own where trl is installed (bench/requirements-trl.txt; 1.16.0 is what bench/trl_gpu.py
             runs): the same batch through trl's own fused output layer (add_fused_lm_head, a
             Triton kernel on GPUs), as GRPOTrainer computes its loss
+With --step N, a whole step of N sequences: TRL's recipes in micro-batches of --seqs, their
+gradients accumulating (GRPOTrainer's per-device batch), train.py's in its own forwards
+(train.forwards: --seqs a forward, or --micro-tokens padded tokens, longest first), whose sizes
+are printed.
 First the two gradients are compared (more than 5% apart: exit 1). Printed: each side's
 milliseconds per micro-batch, median (min-max) of --rounds after two warm-up rounds, the sides
 alternating, each first in turn (with --vary, other sequences each round, so that each meets new
@@ -66,6 +74,25 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--model-size", choices=list(SHAPES), help="default: 0.5b on a GPU, else tiny")
     p.add_argument("--seqs", type=int, default=32, help="sequences per micro-batch (8 per prompt)")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=0,
+        help="sequences of a whole step (8 per prompt), trained in micro-batches: TRL's of --seqs, "
+        "ours of --seqs or, with --micro-tokens, by its token budget (0: one micro-batch)",
+    )
+    p.add_argument(
+        "--micro-tokens",
+        type=int,
+        default=0,
+        help="ours: train.py's --train-micro-tokens (padded tokens a forward, longest first)",
+    )
+    p.add_argument(
+        "--task",
+        choices=("sums", "chat-sums"),
+        default="sums",
+        help="whose worked solutions (chat-sums: prompts rendered by the chat template)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="the longest completion")
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per side")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
@@ -90,12 +117,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def sequences(tok, n, max_tokens, seed=0):
-    """(prompts, completions): token ids of n sums-shaped samples, 8 per prompt."""
+def sequences(tok, n, max_tokens, seed=0, task="sums"):
+    """(prompts, completions): token ids of n samples of `task`'s shape, 8 per prompt."""
     rng = random.Random(seed)
     prompts, completions = [], []
-    for row in tasks.sums_data(n // 8, seed):
-        prompt, solution = tok(row["prompt"]).input_ids, tok(row["solution"]).input_ids
+    for row in tasks.TASKS[task].data(n // 8, seed):
+        if task == "chat-sums":
+            prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True)
+            prompt = list(getattr(prompt, "input_ids", prompt))
+        else:
+            prompt = tok(row["prompt"]).input_ids
+        solution = tok(row["solution"]).input_ids
         for _ in range(8):
             length = round(len(solution) * rng.uniform(0.7, 1.3))
             length = max_tokens if rng.random() < 0.05 else min(max(length, 4), max_tokens)
@@ -104,8 +136,9 @@ def sequences(tok, n, max_tokens, seed=0):
     return prompts, completions
 
 
-def ours(model, cfg, prompts, completions, advantages, pad_id):
-    seqs = [
+def samples(prompts, completions):
+    """train.Sample of each (prompt, completion), as sampled at version 0."""
+    return [
         train.Sample(
             ids=p + c,
             mask=[0] * len(p) + [1] * len(c),
@@ -114,6 +147,10 @@ def ours(model, cfg, prompts, completions, advantages, pad_id):
         )
         for p, c in zip(prompts, completions)
     ]
+
+
+def ours(model, cfg, prompts, completions, advantages, pad_id):
+    seqs = samples(prompts, completions)
     train.backward(model, seqs, advantages, 0, cfg, pad_id)
     # the FLOPs computed and useful
     return train.backward_flops(model, seqs, advantages, cfg)
@@ -197,6 +234,24 @@ def trl_own(model, cfg, prompts, completions, advantages, pad_id):
     (-(logprobs * mask * advantages.to(model.device)[:, None]).sum()).backward()
 
 
+def in_micro_batches(side, size):
+    """`side` (a TRL recipe) on a step's sequences `size` at a time, its gradients accumulating:
+    GRPOTrainer's per-device batch size."""
+
+    def run(model, cfg, prompts, completions, advantages, pad_id):
+        for i in range(0, len(prompts), size):
+            part = slice(i, i + size)
+            side(model, cfg, prompts[part], completions[part], advantages[part], pad_id)
+
+    return run
+
+
+def forward_sizes(prompts, completions, advantages, cfg):
+    """The sequences in each of train.py's forwards of a step (train.forwards' plan)."""
+    plan = train.forwards(samples(prompts, completions), advantages, cfg)
+    return [len(part) for part, _, _ in plan]
+
+
 def timed_ms(side, *args, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     sync()
@@ -239,26 +294,40 @@ def measure(a, path, size, device):
     speed_metrics of each round."""
     tok = AutoTokenizer.from_pretrained(path)
     model = train.load_model(path, a.device)
+    # a whole step: ours in --seqs' micro-batches or by the token budget
+    micro = a.seqs if a.step and not a.micro_tokens else 0
     cfg = train.Config(
-        model=path, device=a.device, bf16=device.type == "cuda", peak_tflops=a.peak_tflops
+        model=path,
+        device=a.device,
+        bf16=device.type == "cuda",
+        peak_tflops=a.peak_tflops,
+        train_micro_batch=micro,
+        train_micro_tokens=a.micro_tokens,
     )
     if not a.no_checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    prompts, completions = sequences(tok, a.seqs, a.max_tokens)
+    n = a.step or a.seqs
+    prompts, completions = sequences(tok, n, a.max_tokens, task=a.task)
     advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(0))
     lengths = sorted(map(len, completions))
     print(
-        f"{size} model on {a.device}; {len(prompts)} sequences, completions of "
+        f"{size} model on {a.device}; {a.task}: {len(prompts)} sequences, completions of "
         f"{lengths[0]}-{lengths[-1]} tokens, {sum(map(len, prompts)) + sum(lengths)} in all"
     )
-    sides = {"train.py": ours, "TRL": trl_recipe}
+    if a.step:
+        plan = forward_sizes(prompts, completions, advantages, cfg)
+        budget = (
+            f"up to {a.micro_tokens} padded tokens" if a.micro_tokens else f"{a.seqs} a forward"
+        )
+        print(f"a step: train.py's forwards ({budget}) of {plan} sequences; TRL's of {a.seqs}")
+    sides = {"train.py": ours, "TRL": in_micro_batches(trl_recipe, a.seqs if a.step else n)}
     if importlib.util.find_spec("trl"):
         from trl.trainer.utils import add_fused_lm_head
 
         # only calls with fused_lm_head=True take the patched path: the other sides are unchanged
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-        sides["TRL's own"] = trl_own
+        sides["TRL's own"] = in_micro_batches(trl_own, a.seqs if a.step else n)
     if a.compile:
         sides["compiled"] = compiled_side(model)
     if a.pack:
@@ -272,7 +341,7 @@ def measure(a, path, size, device):
     speeds = {name: [] for name in sides}
     for i in range(a.rounds + 2):
         if a.vary:
-            prompts, completions = sequences(tok, a.seqs, a.max_tokens, seed=i + 1)
+            prompts, completions = sequences(tok, n, a.max_tokens, seed=i + 1, task=a.task)
             args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
         # each side first in turn: whichever runs first in a round follows another recipe's
         # allocations, and always the same side there would put the cost of it on that side

@@ -156,10 +156,8 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     )
     assert later.returncode == 0, later.stderr[-3000:]
     assert "--stop-after 1e-09 s: 2 runs left" in later.stdout
-    assert (
-        "no report: sync-batch seed 2, in-flight K=1 seed 2, sync-batch seed 3, in-flight K=1 seed 3"
-        in later.stdout
-    )
+    runs = "sync-batch seed 2, in-flight K=1 seed 2, sync-batch seed 3, in-flight K=1 seed 3"
+    assert f"no report: {runs}" in later.stdout
     again = parity(server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[-6:] == lines[-6:]
@@ -266,13 +264,27 @@ def test_the_trainer_step_bench_checks_every_side_gives_one_gradient_then_times_
 
 
 def test_the_trainer_step_bench_packs_sequences_to_the_same_gradient_with_no_flop_wasted():
-    """--pack: bench/packing.py's packed forward (sdpa per sequence on a CPU). Apart from the
-    compiled side: both together would compile a second time (the GPU runs them together)."""
+    """--pack: bench/packing.py's packed forward (sdpa per sequence on a CPU), on a whole step of
+    chat-sums in train.py's token budget. Apart from the compiled side: both together would
+    compile a second time (the GPU runs them together)."""
     command = [sys.executable, os.path.join(ROOT, "bench", "trainer_step.py"), "--seqs", "8"]
+    step = ("--step", "24", "--micro-tokens", "1600", "--task", "chat-sums", "--max-tokens", "96")
     run = subprocess.run(
-        [*command, "--rounds", "1", "--pack"], capture_output=True, text=True, timeout=600, cwd=ROOT
+        [*command, *step, "--rounds", "1", "--pack"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    # the step's 24 sequences in forwards of at most 1,600 padded tokens; TRL's 8 at a time, the
+    # same gradient
+    [plan] = [x for x in run.stdout.splitlines() if x.startswith("a step: ")]
+    sizes = json.loads(plan.split(" of ")[1].split(" sequences")[0])
+    assert sum(sizes) == 24 and len(sizes) > 1, plan
+    assert plan.endswith("TRL's of 8"), plan
+    [gap] = [line for line in run.stdout.splitlines() if line.startswith("the two gradients")]
+    assert float(gap.split()[5]) < 1e-4, gap
     prefix = "the gradients of train.py and packed differ by "
     [gap] = [x for x in run.stdout.splitlines() if x.startswith(prefix)]
     assert float(gap.removeprefix(prefix).split()[0]) < 1e-4, gap
