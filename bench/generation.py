@@ -55,6 +55,11 @@ LEVERS = {
     "max-num-seqs 1024": {"max_num_seqs": 1024},
     # a CUDA graph for every batch size up to 512, in steps of 16 past 8
     "cudagraphs to 512": {"cudagraph_capture_sizes": [1, 2, 4, 8, *range(16, 513, 16)]},
+    # a held-out evaluation's 2,048 samples (bench/parity.py's server admits 1,024 at a time)
+    "max-num-seqs 1024 + cudagraphs to 1024": {
+        "max_num_seqs": 1024,
+        "cudagraph_capture_sizes": [1, 2, 4, 8, *range(16, 1025, 16)],
+    },
     # the scheduler plans step t+1 while step t runs (vLLM 0.26's default where it can)
     "no async scheduling": {"async_scheduling": False},
 }
