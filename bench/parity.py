@@ -11,6 +11,11 @@ sooner? Held-out exact accuracy of every schedule over seeds, against steps and 
     # the same in pieces of at most ~10 min: each call trains the runs not finished yet (seed by
     # seed, starting none after --stop-after s), and the one that finishes the last reports
     python3 bench/parity.py --device cuda --reuse --stop-after 480
+    # a seed a GPU session: each session trains its seed's runs (the warm start gives the same
+    # weights on every machine, docs/results.md#warm_start); their folders, copied into one --out,
+    # are reported by a --reuse call on any machine
+    python3 bench/parity.py --device cuda --seeds 3 --first-seed 1 --stop-after 1200
+    python3 bench/parity.py --device cuda --seeds 3 --reuse --out runs/all-seeds
     # TRL colocate's seconds per step on the same workload beside ours (bench/trl_gpu.py's log)
     python3 bench/trl_gpu.py --task chat-sums --layouts trl-colocate --prompts-per-step 8 \
         --max-tokens 384 --lr 1e-5 > trl.log
