@@ -117,16 +117,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def sequences(tok, n, max_tokens, seed=0, task="sums"):
-    """(prompts, completions): token ids of n samples of `task`'s shape, 8 per prompt."""
+def sequences(tok, cfg, n, max_tokens, seed=0):
+    """(prompts, completions): token ids of n samples of `cfg.task`'s shape, 8 per prompt, each
+    prompt as train.py renders it."""
     rng = random.Random(seed)
     prompts, completions = [], []
-    for row in tasks.TASKS[task].data(n // 8, seed):
-        if task == "chat-sums":
-            prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True)
-            prompt = list(getattr(prompt, "input_ids", prompt))
-        else:
-            prompt = tok(row["prompt"]).input_ids
+    for row in tasks.TASKS[cfg.task].data(n // 8, seed):
+        prompt = train.rendered_prompt(row, cfg, tokenize=True)
+        # a plain prompt comes back as its text
+        prompt = tok(prompt).input_ids if isinstance(prompt, str) else prompt
         solution = tok(row["solution"]).input_ids
         for _ in range(8):
             length = round(len(solution) * rng.uniform(0.7, 1.3))
@@ -301,6 +300,7 @@ def measure(a, path, size, device):
         device=a.device,
         bf16=device.type == "cuda",
         peak_tflops=a.peak_tflops,
+        task=a.task,
         train_micro_batch=micro,
         train_micro_tokens=a.micro_tokens,
     )
@@ -308,7 +308,7 @@ def measure(a, path, size, device):
         model.gradient_checkpointing_enable()
         model.train()
     n = a.step or a.seqs
-    prompts, completions = sequences(tok, n, a.max_tokens, task=a.task)
+    prompts, completions = sequences(tok, cfg, n, a.max_tokens)
     advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(0))
     lengths = sorted(map(len, completions))
     print(
@@ -321,13 +321,13 @@ def measure(a, path, size, device):
             f"up to {a.micro_tokens} padded tokens" if a.micro_tokens else f"{a.seqs} a forward"
         )
         print(f"a step: train.py's forwards ({budget}) of {plan} sequences; TRL's of {a.seqs}")
-    sides = {"train.py": ours, "TRL": in_micro_batches(trl_recipe, a.seqs if a.step else n)}
+    sides = {"train.py": ours, "TRL": in_micro_batches(trl_recipe, a.seqs)}
     if importlib.util.find_spec("trl"):
         from trl.trainer.utils import add_fused_lm_head
 
         # only calls with fused_lm_head=True take the patched path: the other sides are unchanged
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-        sides["TRL's own"] = in_micro_batches(trl_own, a.seqs if a.step else n)
+        sides["TRL's own"] = in_micro_batches(trl_own, a.seqs)
     if a.compile:
         sides["compiled"] = compiled_side(model)
     if a.pack:
@@ -341,7 +341,7 @@ def measure(a, path, size, device):
     speeds = {name: [] for name in sides}
     for i in range(a.rounds + 2):
         if a.vary:
-            prompts, completions = sequences(tok, n, a.max_tokens, seed=i + 1, task=a.task)
+            prompts, completions = sequences(tok, cfg, n, a.max_tokens, seed=i + 1)
             args = (model, cfg, prompts, completions, advantages, tok.pad_token_id)
         # each side first in turn: whichever runs first in a round follows another recipe's
         # allocations, and always the same side there would put the cost of it on that side
