@@ -57,8 +57,8 @@ of 50-320 tokens, 181 at the median, so that generation is most of a synchronous
 built-in 0.5B shape warm-started (--warm-start-steps; bench/warm_start.py finds where) to where
 held-out exact accuracy can move: a model that never answers exactly, or always does, shows no
 parity whatever the schedule. 8 prompts x 8 x <= 384 tokens a step at lr 1e-5 (at 8e-5 every
-schedule diverged within 10 steps: completions ran to the limit, docs/results.md), 256 held-out
-prompts x 8 every 20 steps.
+schedule diverged within 10 steps: completions ran to the limit; at 2e-5 and 4e-5 held-out
+accuracy fell, docs/results.md), 256 held-out prompts x 8 every 20 steps.
 """
 
 import argparse
@@ -92,7 +92,7 @@ from local import SHAPES  # noqa: E402
 DEFAULTS = {
     "model_size": ("tiny", "0.5b"),
     "task": ("addition", "chat-sums"),
-    "warm_start_steps": (100, 400),
+    "warm_start_steps": (100, 325),
     "steps": (120, 40),
     "eval_every": (10, 20),
     "eval_prompts": (8, 256),
