@@ -32,6 +32,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import sys
 import time
 import zlib
@@ -1221,10 +1222,7 @@ def warm_start_batch(rows, answers, tok, cfg):
 def load_data(cfg):
     """(training rows, held-out rows): --eval-dataset's, else the first --eval-prompts distinct
     prompts are held out (when evaluating), and no training row has one of their prompts."""
-    if not cfg.dataset:
-        data = TASKS[cfg.task].data(100_000, cfg.seed)
-    else:
-        data = read_dataset(cfg.dataset, cfg)
+    data = read_dataset(cfg.dataset, cfg) if cfg.dataset else TASKS[cfg.task].data(10**5, cfg.seed)
     if not (cfg.eval_every or cfg.eval_only):
         return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
@@ -1753,6 +1751,9 @@ def full_weights(model, dtype=""):
 
 
 if __name__ == "__main__":
+    # a scheduler's SIGTERM (Slurm's, Kubernetes', `timeout`'s) stops the run as Ctrl-C does: what
+    # was done is saved, and the servers it started are stopped instead of left holding a GPU
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt as e:

@@ -182,12 +182,13 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
     assert [h["step"] for h in history] == [0, 1, 2, 3]
 
 
-def test_a_run_stopped_by_ctrl_c_says_in_one_line_where_it_goes_on_and_goes_on_there(
-    server, model_path, tmp_path, restore_weights
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_run_stopped_by_ctrl_c_or_sigterm_says_in_one_line_where_it_goes_on_and_goes_on_there(
+    server, model_path, tmp_path, restore_weights, stop
 ):
-    """train.py, Ctrl-C (SIGINT) once two steps are logged: the run saves its checkpoint and plot
-    and says so in one line (no traceback, no leak reports of nanobind's); resumed, it goes on from
-    the step that line names."""
+    """train.py, Ctrl-C (SIGINT) or a scheduler's SIGTERM once two steps are logged: the run saves
+    its checkpoint and plot and says so in one line (no traceback, no leak reports of nanobind's);
+    resumed, it goes on from the step that line names."""
     out = tmp_path / "run"
     flags = ["--server-url", server.base_url, "--model", model_path, "--out", str(out)]
     flags += ["--steps", "1000", "--prompts-per-step", "4", "--micro-batches", "2"]
@@ -206,7 +207,7 @@ def test_a_run_stopped_by_ctrl_c_says_in_one_line_where_it_goes_on_and_goes_on_t
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert run.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
         time.sleep(0.05)
-    run.send_signal(signal.SIGINT)
+    run.send_signal(stop)
     assert run.wait(timeout=120) == 130
     step = torch.load(train.state_path(str(out)))["step"]
     said = stderr.read_text()
