@@ -1757,7 +1757,7 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except KeyboardInterrupt as e:
-        # Ctrl-C: what was done is saved; one line says where, not a traceback
+        # Ctrl-C or SIGTERM: what was done is saved; one line says where, not a traceback
         print(*getattr(e, "__notes__", ["stopped"]), file=sys.stderr)
         sys.exit(130)
     finally:
