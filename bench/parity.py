@@ -12,8 +12,8 @@ sooner? Held-out exact accuracy of every schedule over seeds, against steps and 
     # seed, starting none after --stop-after s), and the one that finishes the last reports
     python3 bench/parity.py --device cuda --reuse --stop-after 480
     # a seed a GPU session: each session trains its seed's runs (the warm start gives the same
-    # weights on every machine, docs/results.md#warm_start); their folders, copied into one --out,
-    # are reported by a --reuse call on any machine
+    # weights on every card of one kind, not across kinds: docs/results.md#warm_start); their
+    # folders, copied into one --out, are reported by a --reuse call on any machine
     python3 bench/parity.py --device cuda --seeds 2 --first-seed 1    # seed 1's runs only
     python3 bench/parity.py --device cuda --seeds 3 --reuse --out runs/all-seeds
     # TRL colocate's seconds per step on the same workload beside ours (bench/trl_gpu.py's log)
