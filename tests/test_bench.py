@@ -161,6 +161,13 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     again = parity(server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[-6:] == lines[-6:]
+    # the target: sync-batch's step-0 median accuracy + --gain, unless --target names one
+    title = lines.index("held-out exact accuracy (pass@1), median (min-max) over 2 seeds")
+    start = float(lines[title + 2].split()[1])  # sync-batch's, at step 0
+    for extra, target in ((("--gain", "0.25"), start + 0.25), (("--target", "0.5"), 0.5)):
+        run = parity(server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1", *extra)
+        [line] = [x for x in run.stdout.splitlines() if x.startswith("to held-out exact accuracy")]
+        assert float(line.split()[-1].rstrip(":")) == pytest.approx(target, abs=0.0011), line
 
 
 def test_the_parity_bench_refuses_a_side_that_trained_nothing(server, tmp_path, restore_weights):
