@@ -5,7 +5,7 @@ sooner? Held-out exact accuracy of every schedule over seeds, against steps and 
     .venv/bin/python bench/parity.py --smoke
     # CPU: the tiny model on addition, 3 seeds, every schedule, 120 steps (minutes)
     .venv/bin/python bench/parity.py
-    # one H200: server and trainer on GPU 0 (weights over CUDA IPC), the 0.5B shape on chat-sums:
+    # one GPU: server and trainer on GPU 0 (weights over CUDA IPC), the 0.5B shape on chat-sums:
     # sync-batch, overlap, in-flight K=1, 3 seeds, 100 steps
     python3 bench/parity.py --device cuda
     # the same in pieces of at most ~10 min: each call trains the runs not finished yet (seed by
@@ -155,7 +155,7 @@ def parse_args():
     )
     p.add_argument("--schedules", help="sync-batch first, then any of bench/overlap.py's RUNS")
     p.add_argument(
-        "--target", type=float, help="held-out exact accuracy to reach (default: --gain)"
+        "--target", type=float, help="held-out exact accuracy to reach (default: by --gain)"
     )
     p.add_argument(
         "--gain",
