@@ -41,7 +41,9 @@ sync-batch; with --trl-log, TRL colocate's seconds per step on the same workload
 step stale. Then the steps and seconds to --target (by default sync-batch's accuracy at step 0 plus
 --gain: the first evaluation whose median is at or above it; "not reached" otherwise), and a line
 per schedule: its median accuracy at the last step inside or outside the sync-batch band there (the
-on-policy band), and its speed-up to --target (sync-batch's seconds over its own). It draws
+on-policy band), how many seeds reach --target and their seconds to it (each at its own first
+evaluation at or above it: median and band), and the median curve's speed-up to --target
+(sync-batch's seconds over its own). It draws
 --plot-dir/parity-cpu.png (or -gpu.png): accuracy and reward against steps and against seconds,
 each schedule's median and band.
 
@@ -385,7 +387,7 @@ def report(args, curves, histories):
     base = to_target(curves["sync-batch"], args.target)
     on_policy = band(curves["sync-batch"], -1, "accuracy")
     for name, runs in curves.items():
-        print(verdict(name, runs, on_policy, to_target(runs, args.target), base))
+        print(verdict(name, runs, on_policy, to_target(runs, args.target), base, args.target))
     draw(curves, args)
 
 
@@ -446,18 +448,24 @@ def against_trl(path, histories):
     return line + f"; ours one step stale (in-flight K=1) {spread(ours)}: {ratio:.2f}x TRL's"
 
 
-def verdict(name, runs, on_policy, reached, base):
-    """The schedule's line: its last accuracy against the on-policy band, and its speed-up to the
-    target over sync-batch's."""
+def verdict(name, runs, on_policy, reached, base, target):
+    """The schedule's line: its last accuracy against the on-policy band, each seed's seconds to
+    the target (at its own first evaluation at or above it), and the median curve's speed-up to
+    the target over sync-batch's."""
     last = band(runs, -1, "accuracy")
     line = f"{name}: step {runs[0][-1].step} accuracy {last.show()}"
     if name != "sync-batch":
         inside = on_policy.low <= last.median <= on_policy.high
         where = "inside" if inside else "outside"
         line += f", {where} the on-policy band {on_policy.low:.3f}-{on_policy.high:.3f}"
+    each = [next((p.seconds for p in points if p.accuracy >= target), None) for points in runs]
+    hit = [seconds for seconds in each if seconds is not None]
+    line += f"; {len(hit)} of {len(each)} seeds reach the target"
+    if hit:
+        line += f" in {Band(statistics.median(hit), min(hit), max(hit)).show(1)} s"
     if not reached:
-        return line + "; target not reached"
-    line += f"; target at step {reached[0]}, {reached[1]:.1f} s"
+        return line + "; the median, target not reached"
+    line += f"; the median at step {reached[0]}, {reached[1]:.1f} s"
     if name == "sync-batch":
         return line
     if not base:

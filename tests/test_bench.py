@@ -168,6 +168,30 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
         run = parity(server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1", *extra)
         [line] = [x for x in run.stdout.splitlines() if x.startswith("to held-out exact accuracy")]
         assert float(line.split()[-1].rstrip(":")) == pytest.approx(target, abs=0.0011), line
+    # each seed's seconds to the target, at its own first evaluation at or above it: a target
+    # that in-flight K=1's seed 0 reaches, at its best evaluation after step 0
+    points = {}
+    for seed in (0, 1):
+        folder = tmp_path / "runs" / f"in-flight-K=1-seed{seed}"
+        final = json.loads((folder / "eval.json").read_text())["pass@1"]
+        evals = [
+            (r["step"], r["eval"]["pass@1"]) for r in rows["in-flight-K=1", seed] if "eval" in r
+        ]
+        points[seed] = [*evals, (6, final)]
+    target = max(accuracy for step, accuracy in points[0] if step > 0)
+    each = []
+    for seed in (0, 1):
+        hit = [step for step, accuracy in points[seed] if accuracy >= target]
+        if hit:
+            each.append(sum(trained["in-flight-K=1", seed][: hit[0]]))
+    run = parity(
+        server, tmp_path, *flags, "--server-url", "http://127.0.0.1:1", "--target", str(target)
+    )
+    [stale] = [
+        x for x in run.stdout.splitlines() if x.startswith("in-flight K=1: step 6 accuracy ")
+    ]
+    seconds = f"{statistics.median(each):.1f} ({min(each):.1f}-{max(each):.1f}) s"
+    assert f"; {len(each)} of 2 seeds reach the target in {seconds}" in stale, stale
 
 
 def test_the_parity_bench_refuses_a_side_that_trained_nothing(server, tmp_path, restore_weights):
