@@ -45,7 +45,8 @@ on-policy band), how many seeds reach --target and their seconds to it (each at 
 evaluation at or above it: median and band), and the median curve's speed-up to --target
 (sync-batch's seconds over its own). It draws
 --plot-dir/parity-cpu.png (or -gpu.png): accuracy and reward against steps and against seconds,
-each schedule's median and band.
+each schedule's median and band; and parity-cpu-seconds.png (or -gpu-): accuracy against seconds
+alone, each schedule's speed-up to --target in its legend (the README's figure).
 
 A run that trained nothing (no group of any step with an advantage: every reward of each group
 equal; bench/runs.py) stops the benchmark as it ends (exit 1): no parity is reported from it. One
@@ -384,11 +385,13 @@ def report(args, curves, histories):
     if args.target is None:
         args.target = round(band(curves["sync-batch"], 0, "accuracy").median + args.gain, 3)
     print(f"\nto held-out exact accuracy {args.target}:")
-    base = to_target(curves["sync-batch"], args.target)
+    reached = {name: to_target(runs, args.target) for name, runs in curves.items()}
     on_policy = band(curves["sync-batch"], -1, "accuracy")
     for name, runs in curves.items():
-        print(verdict(name, runs, on_policy, to_target(runs, args.target), base, args.target))
+        base = reached["sync-batch"]
+        print(verdict(name, runs, on_policy, reached[name], base, args.target))
     draw(curves, args)
+    draw_headline(curves, args, reached)
 
 
 def workload(runs, histories):
@@ -505,12 +508,53 @@ def draw(curves, args):
     print(f"plot: {path}")
 
 
+def draw_headline(curves, args, reached):
+    """The README's figure: held-out exact accuracy against seconds of training alone, each
+    schedule's median and band, the target, and each schedule's speed-up to it in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    base = reached["sync-batch"]
+    for (name, runs), style in zip(curves.items(), ("-", "--", "-.", ":", (0, (6, 2)))):
+        label = name
+        if name != "sync-batch" and base and reached[name]:
+            label += f": the target {base[1] / reached[name][1]:.2f}x sooner"
+        draw_bands([None, ax], runs, "accuracy", label, style)
+    ax.axhline(args.target, color="grey", linestyle=":", linewidth=1)
+    ax.annotate(
+        f"target {args.target}",
+        (0, args.target),
+        textcoords="offset points",
+        xytext=(2, 3),
+        fontsize=8,
+        color="grey",
+    )
+    ax.set_xlabel("seconds of training (median over seeds; evaluations not counted)")
+    ax.set_ylabel("held-out exact accuracy (pass@1)")
+    ax.legend(loc="lower right")
+    ax.set_title(
+        f"--task {args.task}, {args.model_size}, {args.prompts_per_step} prompts x "
+        f"{args.group_size} a step: median and min-max over {args.seeds} seeds",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    device = "cpu" if args.device == "cpu" else "gpu"
+    path = os.path.join(args.plot_dir, f"parity-{device}-seconds.png")
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
 def draw_bands(axes, runs, measure, name, style):
     """One schedule's median and band of `measure` against steps (axes[0]) and seconds (axes[1])."""
     bands = [band(runs, i, measure) for i in range(len(runs[0]))]
     steps = [point.step for point in runs[0]]
     seconds = [band(runs, i, "seconds").median for i in range(len(runs[0]))]
     for ax, x in zip(axes, (steps, seconds)):
+        if ax is None:
+            continue
         [line] = ax.plot(x, [b.median for b in bands], linestyle=style, label=name)
         low, high = [b.low for b in bands], [b.high for b in bands]
         ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)

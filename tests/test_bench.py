@@ -139,6 +139,8 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     assert re.search(r"(inside|outside) the on-policy band \d", stale), stale
     assert stale.endswith(("target not reached", "x", "sync-batch did not reach it")), stale
     assert (tmp_path / "parity-cpu.png").stat().st_size > 10_000
+    # the README's figure: accuracy against seconds alone
+    assert (tmp_path / "parity-cpu-seconds.png").stat().st_size > 10_000
     # a run is kept for its metrics: no checkpoint (--no-checkpoint)
     assert (tmp_path / "runs" / "sync-batch-seed0" / "eval.json").exists()
     assert not (tmp_path / "runs" / "sync-batch-seed0" / "checkpoint").exists()
