@@ -37,13 +37,14 @@ accuracy and reward, and the seconds of training up to it: the sum of train.py's
 it less each evaluation's own seconds (train.py evaluates at a step's start), so that a long
 evaluation does not blur the schedules' difference; the evaluations' seconds are printed apart.
 Then each schedule's seconds per step (evaluations not counted) and its speed-up per step over
-sync-batch; with --trl-log, TRL colocate's seconds per step on the same workload beside our one
-step stale. Then the steps and seconds to --target (by default sync-batch's accuracy at step 0 plus
---gain: the first evaluation whose median is at or above it; "not reached" otherwise), and a line
-per schedule: its median accuracy at the last step inside or outside the sync-batch band there (the
-on-policy band), how many seeds reach --target and their seconds to it (each at its own first
-evaluation at or above it: median and band), and the median curve's speed-up to --target
-(sync-batch's seconds over its own). It draws
+sync-batch; how far off-policy each schedule's steps were (staleness, importance weights, the
+sampler's mismatch: medians over steps); with --trl-log, TRL colocate's seconds per step on the
+same workload beside our one step stale. Then the steps and seconds to --target (by default
+sync-batch's accuracy at step 0 plus --gain: the first evaluation whose median is at or above it;
+"not reached" otherwise), and a line per schedule: its median accuracy at the last step inside or
+outside the sync-batch band there (the on-policy band), how many seeds reach --target and their
+seconds to it (each at its own first evaluation at or above it: median and band), and the median
+curve's speed-up to --target (sync-batch's seconds over its own). It draws
 --plot-dir/parity-cpu.png (or -gpu.png): accuracy and reward against steps and against seconds,
 each schedule's median and band; and parity-cpu-seconds.png (or -gpu-): accuracy against seconds
 alone, each schedule's speed-up to --target in its legend (the README's figure).
@@ -380,6 +381,7 @@ def report(args, curves, histories):
             print(f"{point.step:>5} " + " ".join(f"{cell:>22}" for cell in cells))
     print(workload(curves["sync-batch"], histories["sync-batch"]))
     print(step_times(curves, histories))
+    print(off_policy(histories))
     if args.trl_log:
         print(against_trl(args.trl_log, histories))
     if args.target is None:
@@ -428,6 +430,24 @@ def step_times(curves, histories):
         lines.append(line)
     evaluation_s = [p.evaluation_s for runs in curves.values() for points in runs for p in points]
     lines.append(f"held-out evaluations, apart from the above: {spread(evaluation_s)} s each")
+    return "\n".join(lines)
+
+
+def off_policy(histories):
+    """How far each schedule's samples were from the policy it trained: per step (every seed's),
+    the median of staleness, of the stale tokens' importance weights (mean and max), of the share
+    at --is-cap, and of the sampler's mismatch (train.py's metrics; docs/training.md)."""
+    lines = ["\nhow far off-policy, median over every step of every seed"]
+    keys = ("staleness", "is_weight_mean", "is_weight_max", "is_clipped", "mismatch_mean")
+    for name, runs in histories.items():
+        rows = [row for history in runs for row in history]
+        # mismatch is measured on the steps that sampled it (None otherwise)
+        values = [[row[key] for row in rows if row.get(key) is not None] for key in keys]
+        stale, mean, most, capped, mismatch = (statistics.median(v) if v else 0.0 for v in values)
+        lines.append(
+            f"  {name}: staleness {stale:.2f}; importance weights mean {mean:.3f}, max "
+            f"{most:.2f}, {capped:.2%} at the cap; mismatch {mismatch:.4f}"
+        )
     return "\n".join(lines)
 
 

@@ -125,11 +125,22 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     sync_batch = statistics.median(sum(trained["sync-batch", seed]) for seed in (0, 1))
     assert float(lines[at + 5].split()[1]) == pytest.approx(sync_batch, abs=0.051)
     # per step, evaluations apart; TRL's seconds per step beside our one step stale
-    [per_step] = [x for x in lines if x.startswith("  in-flight K=1: ")]
+    [per_step] = [x for x in lines if re.match(r"  in-flight K=1: \d", x)]
     assert re.fullmatch(rf"  in-flight K=1: {band}, \d+\.\d\dx sync-batch's", per_step), per_step
     assert any(
         re.fullmatch(rf"held-out evaluations, apart from the above: {band} s each", x)
         for x in lines
+    )
+    # how far off-policy: one step stale's staleness and importance weights, sync-batch's none
+    [stale] = [x for x in lines if x.startswith("  in-flight K=1: staleness ")]
+    staleness = [row["staleness"] for seed in (0, 1) for row in rows["in-flight-K=1", seed]]
+    assert stale.startswith(f"  in-flight K=1: staleness {statistics.median(staleness):.2f}; ")
+    assert re.search(
+        r"importance weights mean \d\.\d{3}, max \d\.\d\d, \d+\.\d\d% at the cap", stale
+    )
+    assert (
+        "  sync-batch: staleness 0.00; importance weights mean 1.000, max 1.00, 0.00%"
+        in lines[lines.index(stale) - 1]
     )
     ours = statistics.median(trained["in-flight-K=1", 0] + trained["in-flight-K=1", 1])
     [against] = [x for x in lines if x.startswith("TRL colocate on this workload")]
