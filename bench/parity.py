@@ -389,8 +389,8 @@ def report(args, curves, histories):
     print(f"\nto held-out exact accuracy {args.target}:")
     reached = {name: to_target(runs, args.target) for name, runs in curves.items()}
     on_policy = band(curves["sync-batch"], -1, "accuracy")
+    base = reached["sync-batch"]
     for name, runs in curves.items():
-        base = reached["sync-batch"]
         print(verdict(name, runs, on_policy, reached[name], base, args.target))
     draw(curves, args)
     draw_headline(curves, args, reached)
@@ -481,8 +481,8 @@ def verdict(name, runs, on_policy, reached, base, target):
         inside = on_policy.low <= last.median <= on_policy.high
         where = "inside" if inside else "outside"
         line += f", {where} the on-policy band {on_policy.low:.3f}-{on_policy.high:.3f}"
-    each = [next((p.seconds for p in points if p.accuracy >= target), None) for points in runs]
-    hit = [seconds for seconds in each if seconds is not None]
+    each = [to_target([points], target) for points in runs]
+    hit = [seconds for _, seconds in filter(None, each)]
     line += f"; {len(hit)} of {len(each)} seeds reach the target"
     if hit:
         line += f" in {Band(statistics.median(hit), min(hit), max(hit)).show(1)} s"
@@ -496,6 +496,11 @@ def verdict(name, runs, on_policy, reached, base, target):
     return line + f", speed-up {base[1] / reached[1]:.2f}x"
 
 
+# a dash pattern a schedule, the same in both figures: overlap's curve lies on sync-batch's (the
+# same samples, K = 0)
+STYLES = ("-", "--", "-.", ":", (0, (6, 2)))
+
+
 def draw(curves, args):
     """Held-out exact accuracy and reward against steps and against seconds: each schedule's
     median, its band shaded."""
@@ -506,8 +511,7 @@ def draw(curves, args):
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col", sharey="row")
     for row, measure in zip(axes, ("accuracy", "reward")):
-        # a dash pattern each: overlap's curve lies on sync-batch's (the same samples, K = 0)
-        for (name, runs), style in zip(curves.items(), ("-", "--", "-.", ":", (0, (6, 2)))):
+        for (name, runs), style in zip(curves.items(), STYLES):
             draw_bands(row, runs, measure, name, style)
     for ax in axes[0]:
         ax.axhline(args.target, color="grey", linestyle=":", linewidth=1)
@@ -520,12 +524,7 @@ def draw(curves, args):
         f"--task {args.task}, {args.model_size}: median and min-max over {args.seeds} seeds",
         fontsize=10,
     )
-    fig.tight_layout()
-    os.makedirs(args.plot_dir, exist_ok=True)
-    device = "cpu" if args.device == "cpu" else "gpu"
-    path = os.path.join(args.plot_dir, f"parity-{device}.png")
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}")
+    save(fig, args, "")
 
 
 def draw_headline(curves, args, reached):
@@ -538,7 +537,7 @@ def draw_headline(curves, args, reached):
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     base = reached["sync-batch"]
-    for (name, runs), style in zip(curves.items(), ("-", "--", "-.", ":", (0, (6, 2)))):
+    for (name, runs), style in zip(curves.items(), STYLES):
         label = name
         if name != "sync-batch" and base and reached[name]:
             label += f": the target {base[1] / reached[name][1]:.2f}x sooner"
@@ -560,9 +559,15 @@ def draw_headline(curves, args, reached):
         f"{args.group_size} a step: median and min-max over {args.seeds} seeds",
         fontsize=10,
     )
+    save(fig, args, "-seconds")
+
+
+def save(fig, args, suffix):
+    """Write `fig` as --plot-dir/parity-cpu{suffix}.png (or -gpu)."""
     fig.tight_layout()
+    os.makedirs(args.plot_dir, exist_ok=True)
     device = "cpu" if args.device == "cpu" else "gpu"
-    path = os.path.join(args.plot_dir, f"parity-{device}-seconds.png")
+    path = os.path.join(args.plot_dir, f"parity-{device}{suffix}.png")
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
 

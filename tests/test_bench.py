@@ -132,15 +132,13 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
         for x in lines
     )
     # how far off-policy: one step stale's staleness and importance weights, sync-batch's none
-    [stale] = [x for x in lines if x.startswith("  in-flight K=1: staleness ")]
+    [off] = [x for x in lines if x.startswith("  in-flight K=1: staleness ")]
     staleness = [row["staleness"] for seed in (0, 1) for row in rows["in-flight-K=1", seed]]
-    assert stale.startswith(f"  in-flight K=1: staleness {statistics.median(staleness):.2f}; ")
-    assert re.search(
-        r"importance weights mean \d\.\d{3}, max \d\.\d\d, \d+\.\d\d% at the cap", stale
-    )
+    assert off.startswith(f"  in-flight K=1: staleness {statistics.median(staleness):.2f}; ")
+    assert re.search(r"importance weights mean \d\.\d{3}, max \d\.\d\d, \d+\.\d\d% at the cap", off)
     assert (
         "  sync-batch: staleness 0.00; importance weights mean 1.000, max 1.00, 0.00%"
-        in lines[lines.index(stale) - 1]
+        in lines[lines.index(off) - 1]
     )
     ours = statistics.median(trained["in-flight-K=1", 0] + trained["in-flight-K=1", 1])
     [against] = [x for x in lines if x.startswith("TRL colocate on this workload")]
