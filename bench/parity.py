@@ -9,7 +9,8 @@ sooner? Held-out exact accuracy of every schedule over seeds, against steps and 
     # sync-batch, overlap, in-flight K=1, 3 seeds, 100 steps
     python3 bench/parity.py --device cuda
     # the same in pieces of at most ~10 min: each call trains the runs not finished yet (seed by
-    # seed, starting none after --stop-after s), and the one that finishes the last reports
+    # seed, starting none that would end after --stop-after s), and the one that finishes the
+    # last reports
     python3 bench/parity.py --device cuda --reuse --stop-after 480
     # a seed a GPU session: each session trains its seed's runs (the warm start gives the same
     # weights on every card of one kind, not across kinds: docs/results.md#warm_start); their
@@ -187,8 +188,9 @@ def parse_args():
         "--stop-after",
         type=float,
         default=0,
-        help="start no run after this many seconds (0: no limit); the runs left wait for a later "
-        "--reuse call, which reports once every run is finished",
+        help="start no run that would end after this many seconds, judged by the longest run so "
+        "far (0: no limit); the runs left wait for a later --reuse call, which reports once every "
+        "run is finished",
     )
     args = p.parse_args()
     gpu = args.device != "cpu"
@@ -217,8 +219,10 @@ def main():
     left = [(name, seed) for name, seed in runs if not (args.reuse and finished(args, name, seed))]
     with contextlib.ExitStack() as stack:
         client = None
+        # the longest run so far: a run it says would end after --stop-after s is not started
+        longest = 0.0
         for i, (name, seed) in enumerate(left):
-            if args.stop_after and time.monotonic() - start > args.stop_after:
+            if args.stop_after and time.monotonic() - start + longest > args.stop_after:
                 print(f"\n--stop-after {args.stop_after} s: {len(left) - i} runs left", flush=True)
                 break
             # the device, the model and a server only where a run trains: a --reuse of finished
@@ -235,7 +239,9 @@ def main():
                 model = train.builtin_model(config)
                 print_setup(args.device, model)
                 client = stack.enter_context(serving(args, model, server_flags))
+            began = time.monotonic()
             train_run(args, client, model, name, seed, trainer | workload)
+            longest = max(longest, time.monotonic() - began)
     missing = [(name, seed) for seed in range(args.seeds) for name in names]
     missing = [f"{name} seed {seed}" for name, seed in missing if not finished(args, name, seed)]
     if missing:
