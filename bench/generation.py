@@ -62,6 +62,10 @@ LEVERS = {
     },
     # the scheduler plans step t+1 while step t runs (vLLM 0.26's default where it can)
     "no async scheduling": {"async_scheduling": False},
+    # not an engine field: every request seeded, as train.py's --seed-requests (bench/parity.py)
+    # and its held-out evaluations send them; vLLM draws a seeded sequence's noise with its own
+    # generator, one sequence after another, each decode step
+    "seeded requests": {"seed": 0},
 }
 # what a CPU engine can take: no CUDA graphs, no async scheduling
 CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
@@ -106,15 +110,16 @@ def bound(prompt_lens, n, max_tokens, max_num_seqs, weights, kv, bandwidth):
     return len(seqs) * max_tokens / seconds
 
 
-def run_lever(name, args, prompts, a):
-    """One lever's engine: its resolved settings and the tokens/s of each timed round."""
+def run_lever(name, args, prompts, a, seed=None):
+    """One lever's engine: its resolved settings and the tokens/s of each timed round; `seed`:
+    every request's."""
     # forked engine core and worker where that is safe (engine.Engine: one thread on a CPU)
     engine = SyncEngine(args, fork=True)
     params = SamplingParams(
-        n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0
+        n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0, seed=seed
     )
     try:
-        settings = resolved(engine.engine)
+        settings = resolved(engine.engine) | {"seeded": seed is not None}
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
         engine.generate(prompts, params)  # warm-up
         rates = []
@@ -176,9 +181,10 @@ def main():
     speeds = {}
     for name in a.levers:
         flags = {"dtype": dtype, **LEVERS[name]}
+        seed = flags.pop("seed", None)
         if gpu:
             flags["gpu_memory_utilization"] = a.gpu_memory_utilization
-        settings, rates = run_lever(name, engine_args(model, **flags), prompts, a)
+        settings, rates = run_lever(name, engine_args(model, **flags), prompts, a, seed)
         ceiling = bound(
             list(map(len, prompts)),
             a.n,
