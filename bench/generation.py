@@ -8,7 +8,8 @@ memory bandwidth sets, for the default settings and for each of vLLM's levers tr
     .venv/bin/python bench/generation.py --prompts 4 --n 2 --max-tokens 16 --rounds 2
 
 Each lever is one engine, as the server builds it (engine.engine_args) with the lever's
-AsyncEngineArgs fields on top, started alone and stopped before the next. Its step: --prompts
+AsyncEngineArgs fields on top ("seeded requests": the default engine, a seed in every request),
+started alone and stopped before the next. Its step: --prompts
 prompts of --task, rendered as train.py sends them, each sampled --n times at temperature 1 with
 the sampled tokens' logprobs (what a trainer asks), `ignore_eos` so that every completion is
 --max-tokens long. One step warms up; --rounds steps are timed. The weights are train.py's
