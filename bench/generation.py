@@ -67,6 +67,8 @@ LEVERS = {
     # and its held-out evaluations send them; vLLM draws a seeded sequence's noise with its own
     # generator, one sequence after another, each decode step
     "seeded requests": {"seed": 0},
+    # as a held-out evaluation on bench/parity.py's server: 1,024 seeded sequences at once
+    "max-num-seqs 1024 + seeded requests": {"max_num_seqs": 1024, "seed": 0},
 }
 # what a CPU engine can take: no CUDA graphs, no async scheduling
 CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
