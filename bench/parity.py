@@ -21,9 +21,10 @@ sooner? Held-out exact accuracy of every schedule over seeds, against steps and 
     mkdir -p runs/h100 && for f in docs/data/parity-h100-*.tgz; do
         tar xzf $f -C runs/h100 --strip-components=1; done
     .venv/bin/python bench/parity.py --device cuda --reuse --out runs/h100 --seeds 1
-    # TRL colocate's seconds per step on the same workload beside ours (bench/trl_gpu.py's log)
-    python3 bench/trl_gpu.py --task chat-sums --layouts trl-colocate --prompts-per-step 8 \
-        --max-tokens 384 --lr 1e-5 > trl.log
+    # TRL colocate's seconds per step on the same workload beside ours (bench/trl_gpu.py's output;
+    # docs/data/trl-gpu-chat-sums-h100.tgz holds an H100's runs: their --out folders)
+    python3 bench/trl_gpu.py --task chat-sums --warm-start-steps 350 --layouts trl-colocate \
+        --prompts-per-step 8 --max-tokens 384 --lr 1e-5 > trl.log
     python3 bench/parity.py --device cuda --reuse --trl-log trl.log
 
 Each schedule of bench/overlap.py (sync-batch, overlap, drain K=1, in-flight K=1, in-flight K=2,
@@ -179,8 +180,8 @@ def parse_args():
     p.add_argument(
         "--trl-log",
         default="",
-        help="bench/trl_gpu.py's output on the same workload: TRL colocate's seconds per step "
-        "beside ours",
+        help="bench/trl_gpu.py's output on the same workload (or its --out's trl-colocate.log): "
+        "TRL colocate's seconds per step beside ours",
     )
     p.add_argument(
         "--reuse",

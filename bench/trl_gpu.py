@@ -789,9 +789,12 @@ def run_layout(a, name, deadline, argv, later=0):
             )
     with open(log_path) as f:
         lines = f.read().splitlines()
-    found = [json.loads(x.split(" ", 1)[1]) | {"kind": x.split()[0]} for x in lines if is_report(x)]
-    for r in found:
+    reports = [x for x in lines if is_report(x)]
+    found = [json.loads(x.split(" ", 1)[1]) | {"kind": x.split()[0]} for x in reports]
+    for r, line in zip(found, reports):
         print(f"[{name}] {r['kind']} {r['layout']} / {r['name']}: {r.get('error', 'ok')}")
+        # the child's line as it wrote it: what bench/parity.py --trl-log reads from this output
+        print(line)
     if proc.returncode or any(r["kind"] == "FAILED" for r in found):
         print(f"[{name}] exit code {proc.returncode}; the last lines of {log_path}:")
         print("\n".join("    " + x[:300] for x in lines[-40:]))

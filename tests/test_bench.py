@@ -228,6 +228,9 @@ def test_the_trl_bench_shows_that_ours_trained(server, tmp_path, restore_weights
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ours CPU sync-batch packed: frac_reward_zero_std=" in run.stdout
     assert "speed-up of ours CPU sync-batch packed" in run.stdout
+    # each side's result as a JSON line of the output: bench/parity.py --trl-log reads it there
+    [result] = [json.loads(x[7:]) for x in run.stdout.splitlines() if x.startswith("RESULT {")]
+    assert result["name"] == "sync-batch packed" and len(result["step_s"]) == 3, result
     # its training per step, and per 1k completion tokens (the sides' completions differ in length)
     [speed] = [x for x in run.stdout.splitlines() if " s per 1k tokens (" in x]
     assert speed.startswith("  ours CPU sync-batch packed: ") and " tokens a step)" in speed, speed
