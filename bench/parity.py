@@ -39,21 +39,22 @@ the end (--eval-prompts x 8 samples, eval_samples.jsonl): an answer is exact whe
 up to 1024 at once (--max-num-seqs).
 
 Per schedule, at each evaluation: the median and band (min-max over seeds) of held-out exact
-accuracy and reward, and the seconds of training up to it: the sum of train.py's step_s before
-it less each evaluation's own seconds (train.py evaluates at a step's start), so that a long
-evaluation does not blur the schedules' difference; the evaluations' seconds are printed apart.
-Then each schedule's seconds per step (evaluations not counted) and its speed-up per step over
-sync-batch; how far off-policy each schedule's steps were (staleness, importance weights, the
-sampler's mismatch: medians over steps); with --trl-log, TRL colocate's seconds per step on the
-same workload beside our one step stale. Then the steps and seconds to --target (by default
-sync-batch's accuracy at step 0 plus --gain: the first evaluation whose median is at or above it;
-"not reached" otherwise), and a line per schedule: its median accuracy at the last step inside or
-outside the sync-batch band there (the on-policy band), how many seeds reach --target and their
-seconds to it (each at its own first evaluation at or above it: median and band), and the median
-curve's speed-up to --target (sync-batch's seconds over its own). It draws
---plot-dir/parity-cpu.png (or -gpu.png): accuracy and reward against steps and against seconds,
-each schedule's median and band; and parity-cpu-seconds.png (or -gpu-): accuracy against seconds
-alone, each schedule's speed-up to --target in its legend (the README's figure).
+accuracy and reward, and the seconds of training up to it: the sum of train.py's step_s before it
+less each evaluation's own seconds (train.py evaluates at a step's start), so that a long evaluation
+does not blur the schedules' difference; the evaluations' seconds are printed apart. Then each
+schedule's seconds per step (evaluations not counted) and its speed-up per step over sync-batch, and
+where a step went (training, waiting for samples, the weight sync; generation's wall time beside
+them); how far off-policy each schedule's steps were (staleness, importance weights, the sampler's
+mismatch: medians over steps); with --trl-log, TRL colocate's seconds per step on the same workload
+beside our one step stale. Then the steps and seconds to --target (by default sync-batch's accuracy
+at step 0 plus --gain: the first evaluation whose median is at or above it; "not reached"
+otherwise), and a line per schedule: its median accuracy at the last step inside or outside the
+sync-batch band there (the on-policy band), how many seeds reach --target and their seconds to it
+(each at its own first evaluation at or above it: median and band), and the median curve's speed-up
+to --target (sync-batch's seconds over its own). It draws --plot-dir/parity-cpu.png (or -gpu.png):
+accuracy and reward against steps and against seconds, each schedule's median and band; and
+parity-cpu-seconds.png (or -gpu-): accuracy against seconds alone, each schedule's speed-up to
+--target in its legend (the README's figure).
 
 A run that trained nothing (no group of any step with an advantage: every reward of each group
 equal; bench/runs.py) stops the benchmark as it ends (exit 1): no parity is reported from it. One
@@ -438,10 +439,22 @@ def step_times(curves, histories):
         line = f"  {name}: {spread(seconds)}"
         if name != "sync-batch":
             line += f", {per_step['sync-batch'] / per_step[name]:.2f}x sync-batch's"
-        lines.append(line)
+        lines += [line, time_split(runs)]
     evaluation_s = [p.evaluation_s for runs in curves.values() for points in runs for p in points]
     lines.append(f"held-out evaluations, apart from the above: {spread(evaluation_s)} s each")
     return "\n".join(lines)
+
+
+def time_split(runs):
+    """Where a schedule's steps went, medians over its steps without an evaluation: training,
+    waiting for samples, the weight sync; and generation's wall time, which runs beside them."""
+    rows = [row for history in runs for row in history if "eval" not in row]
+    keys = ("train_s", "idle_s", "sync_s", "gen_s")
+    train, idle, sync, gen = (statistics.median(row[key] for row in rows) for key in keys)
+    return (
+        f"    a step: training {train:.3f} s, waiting for samples {idle:.3f}, weight sync "
+        f"{sync:.3f}; generation {gen:.3f} beside them"
+    )
 
 
 def off_policy(histories):

@@ -127,6 +127,19 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     # per step, evaluations apart; TRL's seconds per step beside our one step stale
     [per_step] = [x for x in lines if re.match(r"  in-flight K=1: \d", x)]
     assert re.fullmatch(rf"  in-flight K=1: {band}, \d+\.\d\dx sync-batch's", per_step), per_step
+    # where its steps went: train.py's own split, medians over the steps without an evaluation
+    split = lines[lines.index(per_step) + 1]
+    number = r"(\d+\.\d{3})"
+    parts = (
+        rf"    a step: training {number} s, waiting for samples {number}, weight sync {number}; "
+    )
+    match = re.fullmatch(parts + rf"generation {number} beside them", split)
+    assert match, split
+    steps = [row for seed in (0, 1) for row in rows["in-flight-K=1", seed] if "eval" not in row]
+    assert float(match[1]) == pytest.approx(
+        statistics.median(r["train_s"] for r in steps), abs=6e-4
+    )
+    assert float(match[2]) == pytest.approx(statistics.median(r["idle_s"] for r in steps), abs=6e-4)
     assert any(
         re.fullmatch(rf"held-out evaluations, apart from the above: {band} s each", x)
         for x in lines
