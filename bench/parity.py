@@ -449,6 +449,9 @@ def time_split(runs):
     """Where a schedule's steps went, medians over its steps without an evaluation: training,
     waiting for samples, the weight sync; and generation's wall time, which runs beside them."""
     rows = [row for history in runs for row in history if "eval" not in row]
+    if not rows:
+        # --eval-every 1: every step's waiting holds an evaluation
+        return "    a step: no step without an evaluation to split"
     keys = ("train_s", "idle_s", "sync_s", "gen_s")
     train, idle, sync, gen = (statistics.median(row[key] for row in rows) for key in keys)
     return (
