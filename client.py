@@ -660,6 +660,9 @@ class Client(AbortsOnError):
                     self._send_buckets(buckets)
                 send_s = time.perf_counter() - start
                 result = read_json_line(lines)
+                # read to its end: only then does its connection serve the next update (a new
+                # one each time costs a connect and the server's setup of it)
+                next(lines, None)
                 if "error" in result:
                     raise ServerError(result["status"], result["error"])
             except Exception:

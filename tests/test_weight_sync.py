@@ -16,6 +16,7 @@ import time
 import pytest
 import requests
 import torch
+import urllib3.connection
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import server as server_module
@@ -305,6 +306,23 @@ def test_close_then_init_again(server, hf):
     full = [{"size": offset, "params": params}]
     r = post(server, "/update_weights", {"buckets": full})
     assert r.status_code == 409 and "init_communicator" in r.json()["error"]  # no group after close
+
+
+def test_updates_go_over_one_kept_connection(trainer, hf, monkeypatch):
+    """An update's streamed answer is read to its end, so the next update reuses its connection
+    rather than opening (and the server setting up) a new one."""
+    connects = []
+    connect = urllib3.connection.HTTPConnection.connect
+
+    def counted(self):
+        connects.append(self.port)
+        return connect(self)
+
+    trainer.update_model_params(hf[0])
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect", counted)
+    for _ in range(3):
+        trainer.update_model_params(hf[0])
+    assert connects == []
 
 
 def test_a_refused_init_communicator_leaves_the_weight_sync_set_up_before(server, hf):
