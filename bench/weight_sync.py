@@ -63,12 +63,15 @@ Each of ours and the fixed costs prints where its time went (describe): the trai
 drain (or in-flight pause); the collective_rpc into the workers, of which their receive and load;
 the reset of the paused requests' KV and the version's label; and the rest, HTTP and the
 trainer's packing.
-Each is the median of its rounds, after one warm-up.
+Each is the median of its rounds, after one warm-up. With --profile, 20 more updates of ours (on a
+GPU over ipc) under cProfile: the trainer's side, its costliest functions by their own time.
 """
 
 import argparse
+import cProfile
 import multiprocessing
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -137,6 +140,19 @@ def update_parts(client, model, rounds, **options):
         client.update_model_params(model, **options)
         runs.append({"total_s": time.perf_counter() - start, **client.last_update})
     return {k: statistics.median(r[k] for r in runs[1:]) for k in PARTS}
+
+
+def profile_updates(client, model, rounds=20, top=15):
+    """--profile: `rounds` more updates under cProfile, the trainer's side of them: its costliest
+    functions by their own time (the server's part shows as the wait in a socket read)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(rounds):
+        client.update_model_params(model)
+    profile.disable()
+    print(f"--profile: the trainer's side of {rounds} updates, by own time", flush=True)
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+    sys.stdout.flush()
 
 
 def describe(name, m):
@@ -351,6 +367,8 @@ def cuda_main(a):
                 flush=True,
             )
             print(describe(f"  0.5B shape ({transport}, drain):", m), flush=True)
+            if a.profile and transport == "ipc":
+                profile_updates(client, model)
             client.close_communicator()
     finally:
         stop_server(proc)
@@ -463,6 +481,11 @@ def main():
         help="cuda: the one-GPU benchmark; "
         "cuda:1: the two-GPU one, the trainer on GPU 1 (see above)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="20 more updates of ours (GPU: ipc) under cProfile: where the trainer's time goes",
+    )
     a = p.parse_args()
     if a.device == "cuda":
         return cuda_main(a)
@@ -500,6 +523,8 @@ def main():
         ours = m["total_s"]
         print(f"ours (packed):     {ours:7.3f} s  ({nbytes / 2**20 / ours:6.0f} MiB/s)", flush=True)
         print(describe("  where it went:", m), flush=True)
+        if a.profile:
+            profile_updates(client, model)
         client.close_communicator()
     finally:
         stop_server(proc)
