@@ -312,10 +312,7 @@ class IpcBuffer:
 
     def __init__(self, device):
         self.device = device
-        self.buffer = None
-        self.handle = None
-        self.layout = None
-        self.views = None
+        self.buffer = self.handle = self.layout = self.views = None
 
     def share(self, bucket, tensors) -> dict:
         """Fill the buffer with a bucket's tensors: the handle that announces it."""
@@ -412,17 +409,14 @@ class Client(AbortsOnError):
         self.http = requests.Session()
         # ids submitted and not yet fetched -> their number of prompts (a Router's load measure)
         self.pending = {}
-        # set by init_communicator: the weight group, its transport, the server's parameters
-        # (names, shapes) and its dtype
-        self.group = None
-        self.transport = None
+        # set by init_communicator: the server's parameters (names, shapes) and its dtype
         self.spec = None
         self.dtype = None
         # what the last full push sent, {name: tensor} (update_named_param sends it again)
         self.pushed = {}
-        # nccl, gloo: two send buffers, reused between updates (ipc's: IpcBuffer)
-        self.buffers = [None, None]
-        self.ipc = None
+        # the weight group, its transport, send buffers and last layout: none yet (_drop_group)
+        self.group = None
+        self._drop_group()
 
     def _request(self, method, path, body=None, timeout=None, http=None, stream=False):
         """The answer's JSON; with `stream`, the response itself, to read as it comes."""
@@ -621,10 +615,11 @@ class Client(AbortsOnError):
 
     def _drop_group(self):
         close_group(self.group)
-        self.group = None
-        self.transport = None
+        self.group = self.transport = self.ipc = None
+        # nccl, gloo: two send buffers, reused between updates (ipc's: IpcBuffer)
         self.buffers = [None, None]
-        self.ipc = None
+        # the version our last update made and its buckets' params (checked by the server then)
+        self.layout = (None, None)
 
     def _send_buffer(self, slot, size):
         """A reusable uint8 buffer of at least `size` bytes on the trainer's device."""
@@ -650,6 +645,12 @@ class Client(AbortsOnError):
         pack_s = time.perf_counter() - start
         # an error status here means nothing was sent, and the group stays as it is
         body = {"buckets": [b for b, _ in buckets], "mode": mode, "version": version}
+        layout = [b["params"] for b, _ in buckets]
+        if layout == self.layout[1]:
+            # the same names, shapes and offsets as the update that made that version, which the
+            # server checked then: the buckets name their sizes (and handles) alone
+            body["buckets"] = [{k: v for k, v in b.items() if k != "params"} for b, _ in buckets]
+            body["same_layout"] = self.layout[0]
         with self._request("POST", "/update_weights", body, stream=True) as answer:
             try:
                 lines = answer.iter_lines()
@@ -672,6 +673,7 @@ class Client(AbortsOnError):
         # pack_s and send_s here, receive_s and load_s in the workers: where the time went
         self.last_update = {"pack_s": pack_s, "send_s": send_s, **result}
         self.pushed = dict(named)
+        self.layout = (result["version"], layout)
         return result["version"]
 
     def update_named_param(self, name, tensor, **options):
@@ -723,8 +725,7 @@ class Client(AbortsOnError):
     def adapter_way(self):
         """update_adapter's default `via`: "file" for a server on this host's loopback, where
         /dev/shm exists, else "body"."""
-        host = urllib.parse.urlsplit(self.base_url).hostname
-        local = host in ("127.0.0.1", "localhost", "::1")
+        local = urllib.parse.urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
         return "file" if local and os.path.isdir("/dev/shm") else "body"
 
     def _send_buckets(self, buckets):

@@ -322,9 +322,8 @@ class Engine:
     async def rpc(self, method, *args, timeout=60.0):
         """Call `method` on every worker (WeightSyncWorker); their answers, within `timeout`
         seconds."""
-        return await asyncio.wait_for(
-            self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5
-        )
+        answers = self.llm.collective_rpc(method, timeout=timeout, args=args)
+        return await asyncio.wait_for(answers, timeout + 5)
 
 
 # -- LoRA adapters (--enable-lora) ----------------------------------------------------------------
@@ -571,9 +570,7 @@ class WeightSyncWorker:
         # on a thread: NCCL's abort may wait forever for a trainer that died mid-broadcast
         if self.group is not None:
             threading.Thread(target=close_group, args=(self.group,), daemon=True).start()
-        self.transport = None
-        self.group = None
-        self.ipc = None
+        self.transport = self.group = self.ipc = None
 
     def receive_weights(self, buckets):
         """Receive every bucket, then load them all at once. A trainer that dies mid-transfer leaves

@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 import uuid
-from contextlib import AsyncExitStack, contextmanager, suppress
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +97,8 @@ class State:
     sessions: dict = field(default_factory=dict)
     # the weight transport set up by /init_communicator, if any
     transport: str | None = None
+    # the version the last update made and its buckets (same_layout)
+    layout: tuple = (None, [])
     # client.fingerprint of the base weights served: the checkpoint's, then each full update's
     fingerprint: str | None = None
     # the server then exits non-zero
@@ -332,18 +334,6 @@ async def check_room(request, count=1) -> int:
             429,
         )
     return nbytes // count
-
-
-@contextmanager
-def held_call(state, nbytes):
-    """A /v1 call in progress, of `nbytes`: counted with the futures table (check_room)."""
-    state.openai_calls += 1
-    state.held_bytes += nbytes
-    try:
-        yield
-    finally:
-        state.openai_calls -= 1
-        state.held_bytes -= nbytes
 
 
 def add_request(app, body, work, *args, nbytes=0) -> str:
@@ -592,14 +582,18 @@ async def openai_completion(request):
     # room for every choice, each recorded with its prompt
     reserved = params.n * (len(prompt) + params.max_tokens)
     recording = open_session(state, session_id, reserved) if session_id else None
+    # a call in progress, of `nbytes`: counted with the futures table (check_room) till it ends
+    state.openai_calls += 1
+    state.held_bytes += nbytes
     try:
-        with held_call(state, nbytes):
-            [completions] = await generate_and_count(request.app, [prompt], params)
+        [completions] = await generate_and_count(request.app, [prompt], params)
     # the engine refused it (e.g. a prompt longer than --max-model-len)
     except Exception as e:
         status = 503 if engine.error else 400
         raise ApiError(f"the engine refused the request: {engine.error or e}", status) from None
     finally:
+        state.openai_calls -= 1
+        state.held_bytes -= nbytes
         # a session's calls are recorded in the order they finish; a failed call frees its room
         if recording:
             record(recording, prompt, completions, reserved)
@@ -670,10 +664,13 @@ IPC_HANDLE |= {"event": (str, type(None)), "event_sync": bool}
 
 def check_buckets(body, state) -> list:
     """The body's `buckets`, or a 400 before anything is received or loaded: every parameter of
-    the server's once, each bucket well formed (check_bucket)."""
+    the server's once, each bucket well formed (check_bucket); with `same_layout`, the last
+    update's (same_layout)."""
     buckets = checked_field(body, "buckets", [dict])
     if not buckets:
         raise ApiError("'buckets' must be a non-empty list of {size, params}")
+    if "same_layout" in body:
+        return same_layout(buckets, body["same_layout"], state)
     seen = set()
     for bucket in buckets:
         check_bucket(bucket, state, seen)
@@ -681,6 +678,23 @@ def check_buckets(body, state) -> list:
     missing = sorted(set(state.weight_spec) - seen)
     if missing:
         raise ApiError(f"an update needs every parameter; missing {len(missing)}: {missing[:5]}")
+    return buckets
+
+
+def same_layout(buckets, version, state) -> list:
+    """The buckets of an update that sends the params of the one that made `version` again (a
+    trainer pushing its model again), if that was the last: each of its size as then, with its
+    handle (check_handle), their params filled in from then. Else a 400."""
+    last_version, last = state.layout
+    sizes = [b.get("size") for b in buckets]
+    if type(version) is not int or version != last_version or sizes != [b["size"] for b in last]:
+        raise ApiError(
+            f"'same_layout' must be the version the last update made ({last_version}) and the "
+            "buckets their number and sizes then: else send their params"
+        )
+    for bucket, then in zip(buckets, last):
+        check_handle(bucket.get("handle"), state.transport, then["size"])
+        bucket["params"] = then["params"]
     return buckets
 
 
@@ -718,10 +732,9 @@ def check_handle(handle, transport, size):
     with nccl and gloo none."""
     if transport != "ipc":
         well_formed = handle is None
-    elif isinstance(handle, dict) and set(handle) == set(IPC_HANDLE):
-        well_formed = all(isinstance(handle[k], t) for k, t in IPC_HANDLE.items())
     else:
-        well_formed = False
+        named = isinstance(handle, dict) and set(handle) == set(IPC_HANDLE)
+        well_formed = named and all(isinstance(handle[k], t) for k, t in IPC_HANDLE.items())
     if not well_formed:
         raise ApiError(
             f"with ipc each bucket carries a 'handle' {{{', '.join(IPC_HANDLE)}}} "
@@ -810,6 +823,8 @@ async def run_update(app, buckets, mode, ready, version) -> dict:
         return {"error": f"{error}; call /init_communicator again", "status": 502}
     SYNC_SECONDS.observe(time.perf_counter() - start)
     app[STATE].fingerprint = timings["fingerprint"]
+    # what the next update may refer to (same_layout)
+    app[STATE].layout = (version, buckets)
     return {"version": version, "drain_s": drain_s, **timings}
 
 
@@ -1111,8 +1126,7 @@ def make_app(args, flags) -> web.Application:
     """The server for AsyncEngineArgs `args` and the server's `flags` (parse_args): the engine
     starts with the app and stops with it."""
     app = web.Application(client_max_size=flags.max_body_mb << 20, middlewares=[errors, check_key])
-    state = State(flags)
-    app[STATE] = state
+    app[STATE] = state = State(flags)
 
     async def engine_ctx(app):
         engine = Engine(args, fork=True)

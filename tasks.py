@@ -42,9 +42,8 @@ def power_warm_data(n, seed):
     """The power task's warm start: the tool's call with the row's numbers or a guessed answer, at
     random (GRPO finds which pays), and after the tool's result, the result as the answer."""
     rng = random.Random(seed)
-    rows = power_data(n, seed)
     turns = []
-    for r in rows:
+    for r in power_data(n, seed):
         first = rng.choice([r["call"], str(rng.randrange(10 ** rng.randrange(2, 9)))])
         answered = f"{r['prompt']}{r['call']}<result>{r['answer']}</result>"
         turns.append({"prompt": r["prompt"], "solution": first})

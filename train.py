@@ -385,7 +385,6 @@ class Sampler:
             if not server_lost(e):
                 raise
             self.reconnect(e)
-            return None
 
     def reconnect(self, why):
         """Wait for the server (at most --reconnect-timeout s), set weight sync up again and push
@@ -1063,10 +1062,8 @@ def warn(row, cfg, first):
             file=sys.stderr,
         )
     if first and row["truncated"] == 1:
-        warning = (
-            f"every completion of step {row['step']} hit --max-tokens {cfg.max_tokens}: raise it"
-        )
-        print(f"\nWARNING: {warning}\n", file=sys.stderr)
+        warning = f"every completion of step {row['step']} hit --max-tokens {cfg.max_tokens}"
+        print(f"\nWARNING: {warning}: raise it\n", file=sys.stderr)
     if row["tool_errors"] > row["tool_calls"] / 2:
         warning = f"{row['tool_errors']} of the step's {row['tool_calls']} tool calls failed"
         print(f"\nWARNING: {warning}", file=sys.stderr)
@@ -1163,8 +1160,7 @@ def check_logprobs(model, tok, text, atol=1e-3):
 def builtin_model(cfg):
     """The built-in model: local.tiny_model of --model-size (seeded, nothing downloaded),
     warm-started on --task (warm_start); both built once, in .cache/. Its folder."""
-    base, path = builtin_folders(cfg)
-    path = warm_start(base, path, cfg)
+    path = warm_start(*builtin_folders(cfg), cfg)
     # what a warm start on the GPU left in PyTorch's cache, back to the GPU: a server is started
     # there next, and vLLM refuses to start with less free memory than its share
     torch.cuda.empty_cache()
@@ -1455,9 +1451,8 @@ def sample_held_out(client, rows, cfg):
     sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
     futures = submit_prompts(client, rows, cfg, **sampling)
     results = {}
-    bar = tqdm(
-        client.as_completed(futures), desc="held-out", total=len(futures), leave=False, disable=None
-    )
+    completed = client.as_completed(futures)
+    bar = tqdm(completed, desc="held-out", total=len(futures), leave=False, disable=None)
     for future, [samples] in bar:
         results[future.request_id] = samples
     return [results[future.request_id] for future in futures]

@@ -325,6 +325,55 @@ def test_updates_go_over_one_kept_connection(trainer, hf, monkeypatch):
     assert connects == []
 
 
+def recorded_bodies(monkeypatch) -> list:
+    """The bodies the clients send from now on."""
+    bodies, request = [], Client._request
+
+    def recorded(self, method, path, body=None, *args, **options):
+        bodies.append(body)
+        return request(self, method, path, body, *args, **options)
+
+    monkeypatch.setattr(Client, "_request", recorded)
+    return bodies
+
+
+def test_a_push_of_the_same_layout_sends_no_params_and_loads_the_new_weights(
+    trainer, hf, monkeypatch, restore_weights
+):
+    """From the second push of a model on, the body names the version whose buckets' params it
+    reuses, not the params; the server loads the new weights all the same."""
+    model, tokenizer = hf
+    bodies = recorded_bodies(monkeypatch)
+    v1 = trainer.update_model_params(perturbed(model, seed=5))
+    new = perturbed(model, seed=6)
+    assert trainer.update_model_params(new) == v1 + 1
+    assert "same_layout" not in bodies[0] and bodies[1]["same_layout"] == v1
+    assert all("params" not in b for b in bodies[1]["buckets"])
+    assert server_greedy(trainer) == (hf_greedy(new, tokenizer, PROMPTS), {v1 + 1})
+
+
+@pytest.mark.parametrize(
+    "change,word",
+    [
+        (lambda body: body | {"same_layout": body["same_layout"] - 1}, "last update made"),
+        (lambda body: body | {"same_layout": True}, "last update made"),
+        (lambda body: body | {"buckets": body["buckets"] * 2}, "number and sizes"),
+        (lambda body: body | {"buckets": [{"size": 16}]}, "number and sizes"),
+    ],
+)
+def test_a_same_layout_update_unlike_the_last_one_is_refused(
+    trainer, hf, monkeypatch, change, word
+):
+    bodies = recorded_bodies(monkeypatch)
+    trainer.update_model_params(hf[0])
+    v = trainer.update_model_params(hf[0])
+    r = post(trainer, "/update_weights", change(bodies[-1]))
+    assert r.status_code == 400 and word in r.json()["error"], r.text
+    assert trainer.health()["version"] == v
+    # the trainer's own next push still goes
+    assert trainer.update_model_params(hf[0]) == v + 1
+
+
 def test_a_refused_init_communicator_leaves_the_weight_sync_set_up_before(server, hf):
     """init_communicator("cpu") (a device where a transport goes), refused, and a call the server
     refuses change nothing: the weight sync set up before still pushes."""
