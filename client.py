@@ -645,12 +645,14 @@ class Client(AbortsOnError):
         pack_s = time.perf_counter() - start
         # an error status here means nothing was sent, and the group stays as it is
         body = {"buckets": [b for b, _ in buckets], "mode": mode, "version": version}
-        layout = [b["params"] for b, _ in buckets]
-        if layout == self.layout[1]:
-            # the same names, shapes and offsets as the update that made that version, which the
+        layout, (then, layout_then) = [b["params"] for b, _ in buckets], self.layout
+        # forgotten until this push succeeds: after a refusal or a failure the next sends params
+        self.layout = (None, None)
+        if layout == layout_then:
+            # the same names, shapes and offsets as the update that made version `then`, which the
             # server checked then: the buckets name their sizes (and handles) alone
             body["buckets"] = [{k: v for k, v in b.items() if k != "params"} for b, _ in buckets]
-            body["same_layout"] = self.layout[0]
+            body["same_layout"] = then
         with self._request("POST", "/update_weights", body, stream=True) as answer:
             try:
                 lines = answer.iter_lines()

@@ -374,6 +374,17 @@ def test_a_same_layout_update_unlike_the_last_one_is_refused(
     assert trainer.update_model_params(hf[0]) == v + 1
 
 
+def test_after_a_refused_reference_the_next_push_sends_the_params(trainer, hf, monkeypatch):
+    bodies = recorded_bodies(monkeypatch)
+    v = trainer.update_model_params(hf[0])
+    # as if another update had come in between
+    trainer.layout = (v - 1, trainer.layout[1])
+    with pytest.raises(ServerError, match="last update made"):
+        trainer.update_model_params(hf[0])
+    assert trainer.update_model_params(hf[0]) == v + 1
+    assert "same_layout" in bodies[-2] and "same_layout" not in bodies[-1]
+
+
 def test_a_refused_init_communicator_leaves_the_weight_sync_set_up_before(server, hf):
     """init_communicator("cpu") (a device where a transport goes), refused, and a call the server
     refuses change nothing: the weight sync set up before still pushes."""
