@@ -23,18 +23,24 @@ CPU (--device cpu), side by side in one run, on a Qwen2 built by local.tiny_mode
   4. fixed cost: the tiny model train.py trains (3 MB, 26 tensors) pushed over gloo into a server
                 of its own, in drain and in-flight mode: what an update costs when bytes hardly
                 count.
+  Ours names the params of its last push by reference from the second push on (same_layout);
+  after it, the same pushes with the params sent each time, the way before.
   The last line is `sync_vs_raw=<raw / ours> packed_vs_per_param=<per-param / ours>
-  fixed_cost_s=<4. in drain mode>`.
+  fixed_cost_s=<4. in drain mode> by_reference_vs_params=<params sent each time / ours>
+  http_by_reference_vs_params=<the same of their HTTP parts>`.
 GPU (--device cuda): a Qwen2.5-0.5B-shaped Qwen2 (896 hidden, 24 layers, 14 heads, 2 KV heads,
 4864 intermediate, 151,936 vocabulary, tied; random bf16 weights made here), the trainer's copy on
 the same GPU as the server (which takes --gpu-memory-utilization 0.3):
   1. raw:       one device-to-device copy of the same number of bytes on that GPU; the limit.
-  2. ours ipc:  client.update_model_params(model) with the `ipc` transport (the default here).
+  2. ours ipc:  client.update_model_params(model) with the `ipc` transport (the default here);
+                then the same with the params sent each time (not by reference).
   3. ours gloo: the same with the `gloo` transport, through CPU buffers on both sides.
   4. fixed cost: the tiny model on a server started as train.py --device cuda starts it (compiled,
                 --gpu-memory-utilization 0.3), over ipc and gloo, drain and in-flight.
   The last line is `seconds_per_update=<ipc> ipc_vs_raw=<raw / ipc> ipc_vs_gloo=<gloo / ipc>
-  fixed_cost_s=<4. ipc drain> fixed_cost_in_flight_s=<4. ipc in-flight>`.
+  fixed_cost_s=<4. ipc drain> fixed_cost_in_flight_s=<4. ipc in-flight>
+  by_reference_vs_params=<ipc, params sent each time / ipc> http_by_reference_vs_params=<the same
+  of their HTTP parts>`.
 Two GPUs (--device cuda:1): the same Qwen2.5-0.5B-shaped bf16 model. The server takes GPU 0 (as in
 --device cuda: launch_server's default GPU, --gpu-memory-utilization 0.3, --enforce-eager); this
 process is the trainer, its model copy on cuda:1. Every side sends from cuda:1 and receives on
@@ -131,11 +137,15 @@ def median_seconds(fn, rounds):
 PARTS = ("total_s", "pack_s", "send_s", "drain_s", "rpc_s", "receive_s", "load_s", "reset_s")
 
 
-def update_parts(client, model, rounds, **options):
+def update_parts(client, model, rounds, params_each_time=False, **options):
     """The median of each part of client.update_model_params(model, **options) over `rounds`
-    updates, after one warm-up."""
+    updates, after one warm-up. From the second push on, the client names the params of its last
+    one by reference (same_layout); with `params_each_time`, each push sends them in full."""
     runs = []
     for _ in range(1 + rounds):
+        if params_each_time:
+            # the client forgets its last layout, so it announces every param again
+            client.layout = (None, None)
         start = time.perf_counter()
         client.update_model_params(model, **options)
         runs.append({"total_s": time.perf_counter() - start, **client.last_update})
@@ -155,10 +165,16 @@ def profile_updates(client, model, rounds=20, top=15):
     sys.stdout.flush()
 
 
+def http_part(m) -> float:
+    """An update's seconds beside the trainer's packing, the drain, the collective_rpc and the
+    reset: the request, the server's checks, its answer."""
+    return m["total_s"] - m["pack_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
+
+
 def describe(name, m):
     """One line: where an update's time went. The trainer sends while the workers receive, inside
     the collective_rpc; `HTTP` is the rest: the request, the server's checks, its answer."""
-    rest = m["total_s"] - m["pack_s"] - m["drain_s"] - m["rpc_s"] - m["reset_s"]
+    rest = http_part(m)
     return (
         f"{name:<30} {m['total_s']:7.4f} s = the trainer packs {m['pack_s']:.4f} + drain/pause "
         f"{m['drain_s']:.4f} + collective_rpc {m['rpc_s']:.4f} (meanwhile: the trainer sends "
@@ -367,6 +383,10 @@ def cuda_main(a):
                 flush=True,
             )
             print(describe(f"  0.5B shape ({transport}, drain):", m), flush=True)
+            if transport == "ipc":
+                by_reference = m
+                full = update_parts(client, model, a.rounds, params_each_time=True)
+                print(describe("  the same, params sent each time:", full), flush=True)
             if a.profile and transport == "ipc":
                 profile_updates(client, model)
             client.close_communicator()
@@ -379,7 +399,9 @@ def cuda_main(a):
         f"seconds_per_update={ipc:.4f} ipc_vs_raw={raw / ipc:.3f} "
         f"ipc_vs_gloo={seconds['gloo'] / ipc:.1f} "
         f"fixed_cost_s={fixed['ipc', 'drain']['total_s']:.4f} "
-        f"fixed_cost_in_flight_s={fixed['ipc', 'in-flight']['total_s']:.4f}"
+        f"fixed_cost_in_flight_s={fixed['ipc', 'in-flight']['total_s']:.4f} "
+        f"by_reference_vs_params={full['total_s'] / ipc:.3f} "
+        f"http_by_reference_vs_params={http_part(full) / http_part(by_reference):.2f}"
     )
 
 
@@ -523,6 +545,8 @@ def main():
         ours = m["total_s"]
         print(f"ours (packed):     {ours:7.3f} s  ({nbytes / 2**20 / ours:6.0f} MiB/s)", flush=True)
         print(describe("  where it went:", m), flush=True)
+        full = update_parts(client, model, a.rounds, params_each_time=True, **bucket)
+        print(describe("  params sent each time:", full), flush=True)
         if a.profile:
             profile_updates(client, model)
         client.close_communicator()
@@ -531,7 +555,8 @@ def main():
     fixed = fixed_cost([("gloo", "cpu")], 2 * a.rounds)[("gloo", "drain")]["total_s"]
     print(
         f"sync_vs_raw={raw / ours:.3f} packed_vs_per_param={per_param / ours:.1f} "
-        f"fixed_cost_s={fixed:.4f}"
+        f"fixed_cost_s={fixed:.4f} by_reference_vs_params={full['total_s'] / ours:.3f} "
+        f"http_by_reference_vs_params={http_part(full) / http_part(m):.2f}"
     )
 
 
