@@ -692,6 +692,9 @@ def same_layout(buckets, version, state) -> list:
             f"'same_layout' must be the version the last update made ({last_version}) and the "
             "buckets their number and sizes then: else send their params"
         )
+    # a bucket that names params of its own may be laid out by them, not by the ones checked then
+    if any("params" in b for b in buckets):
+        raise ApiError("with 'same_layout' the buckets name no params (those checked then)")
     for bucket, then in zip(buckets, last):
         check_handle(bucket.get("handle"), state.transport, then["size"])
         bucket["params"] = then["params"]

@@ -359,6 +359,10 @@ def test_a_push_of_the_same_layout_sends_no_params_and_loads_the_new_weights(
         (lambda body: body | {"same_layout": True}, "last update made"),
         (lambda body: body | {"buckets": body["buckets"] * 2}, "number and sizes"),
         (lambda body: body | {"buckets": [{"size": 16}]}, "number and sizes"),
+        (
+            lambda body: body | {"buckets": [b | {"params": []} for b in body["buckets"]]},
+            "name no params",
+        ),
     ],
 )
 def test_a_same_layout_update_unlike_the_last_one_is_refused(
@@ -367,7 +371,8 @@ def test_a_same_layout_update_unlike_the_last_one_is_refused(
     bodies = recorded_bodies(monkeypatch)
     trainer.update_model_params(hf[0])
     v = trainer.update_model_params(hf[0])
-    r = post(trainer, "/update_weights", change(bodies[-1]))
+    # the second push's body, naming the version the push before it made: now the last one's
+    r = post(trainer, "/update_weights", change(bodies[-1] | {"same_layout": v}))
     assert r.status_code == 400 and word in r.json()["error"], r.text
     assert trainer.health()["version"] == v
     # the trainer's own next push still goes
