@@ -387,8 +387,8 @@ def cuda_main(a):
                 by_reference = m
                 full = update_parts(client, model, a.rounds, params_each_time=True)
                 print(describe("  the same, params sent each time:", full), flush=True)
-            if a.profile and transport == "ipc":
-                profile_updates(client, model)
+                if a.profile:
+                    profile_updates(client, model)
             client.close_communicator()
     finally:
         stop_server(proc)
