@@ -697,7 +697,9 @@ class Client(AbortsOnError):
         from safetensors.torch import save, save_file
 
         start = time.perf_counter()
-        via = via or self.adapter_way()
+        # by default a file for a server on this host's loopback, where /dev/shm exists
+        local = urllib.parse.urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
+        via = via or ("file" if local and os.path.isdir("/dev/shm") else "body")
         # a set in the config (target_modules) is a list in JSON
         config = model.peft_config[model.active_adapter].to_dict()
         config = json.loads(json.dumps(config, default=sorted))
@@ -723,12 +725,6 @@ class Client(AbortsOnError):
                 os.remove(body["adapter_file"])
         self.last_update["encode_s"] = encode_s
         return self.last_update["version"]
-
-    def adapter_way(self):
-        """update_adapter's default `via`: "file" for a server on this host's loopback, where
-        /dev/shm exists, else "body"."""
-        local = urllib.parse.urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
-        return "file" if local and os.path.isdir("/dev/shm") else "body"
 
     def _send_buckets(self, buckets):
         """Broadcast the buckets (nccl/gloo), packing each next one while the last one travels."""

@@ -19,9 +19,9 @@ PLOT_SECONDS = 30
 class RunLog:
     """The records of a run in --out, added to as each step ends (log): a row of metrics.jsonl,
     its numbers as TensorBoard scalars (and W&B's with --wandb), and plot.png every PLOT_EVERY
-    steps, PLOT_SECONDS apart at least. Leaving the with-block draws the plot and closes the
-    files, however the run stops: at its end, on an error, on Ctrl-C. `history`: the rows so far
-    (a resumed run's), added to."""
+    steps, PLOT_SECONDS apart at least. close() draws the plot and closes the files: train() calls
+    it however the run stops (contextlib.closing): at its end, on an error, on Ctrl-C. `history`:
+    the rows so far (a resumed run's), added to."""
 
     def __init__(self, cfg, history):
         from torch.utils.tensorboard import SummaryWriter
@@ -45,12 +45,6 @@ class RunLog:
             # offline unless the user's WANDB_MODE says otherwise: `wandb sync` uploads it
             mode = os.environ.get("WANDB_MODE", "offline")
             self.wandb = wandb.init(project=cfg.wandb, dir=cfg.out, config=asdict(cfg), mode=mode)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *error):
-        self.close()
 
     def log(self, row):
         """Record a step's metrics (step_metrics' row)."""
@@ -108,7 +102,7 @@ def plot(history, path, evals=()):
     fig = plt.figure(figsize=(14, 13))
     grid = fig.add_gridspec(4, 2, height_ratios=[3, 2, 2, 2])
     steps = [h["step"] for h in history]
-    draw_reward(fig.add_subplot(grid[0, 0]), history, evals)
+    draw_reward(fig.add_subplot(grid[0, 0]), steps, history, evals)
     lines(fig.add_subplot(grid[0, 1]), steps, history, "loss", "entropy")
     draw_times(fig.add_subplot(grid[1, 0]), steps, history)
     ax = lines(fig.add_subplot(grid[1, 1]), steps, history, "completion_length")
@@ -138,9 +132,8 @@ def lines(ax, steps, history, *keys, ylabel=None, style="-"):
     return ax
 
 
-def draw_reward(ax, history, evals):
+def draw_reward(ax, steps, history, evals):
     """Reward and exact answers per step, and the held-out pass@1 and maj@1 of each evaluation."""
-    steps = [h["step"] for h in history]
     ax.plot(steps, [h["reward"] for h in history], marker=".", label="reward")
     ax.plot(steps, [h["accuracy"] for h in history], marker=".", label="exact answers")
     for key in ("pass@1", "maj@1"):

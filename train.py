@@ -292,7 +292,7 @@ def train(cfg: Config, client: Client, data=None):
     # metrics, TensorBoard, plot.png (drawn too when the run stops: error, Ctrl-C); with `client`
     # an error aborts the requests generating; a bar where stderr is a terminal, else lines
     with (
-        RunLog(cfg, history) as run_log,
+        contextlib.closing(RunLog(cfg, history)) as run_log,
         client,
         tqdm(range(start, cfg.steps), desc="GRPO", disable=None) as bar,
         checkpoint_on_stop(cfg, policy, tok, rng, sampler),
@@ -572,15 +572,10 @@ def submit_prompts(client, rows, cfg, **sampling):
 def submit_rollouts(client, rows, cfg, version):
     """Send a step's prompts at once, a request each, to start on weights `version` alone (the
     server holds them until it loads those): their RemoteFutures, in the rows' order."""
-    sampling = dict(
-        n=cfg.group_size,
-        temperature=cfg.temperature,
-        max_tokens=cfg.max_tokens,
-        min_version=version,
-        max_version=version,
-        # a queued step's results wait on the server, however long the steps before it train
-        keep_result=True,
-    )
+    sampling = dict(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+    # on weights `version` alone; a queued step's results wait on the server, however long the
+    # steps before it train
+    sampling |= dict(min_version=version, max_version=version, keep_result=True)
     if cfg.seed_requests:
         # a function of the step's rows: the same prompts get the same seed, whenever they are sent
         sampling["seed"] = cfg.seed + zlib.crc32(json.dumps(rows).encode())
