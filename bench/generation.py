@@ -52,6 +52,8 @@ LEVERS = {
     # n samples of one prompt share its KV blocks (vLLM 0.26 caches prefixes by default)
     "no prefix caching": {"enable_prefix_caching": False},
     "prefix caching": {"enable_prefix_caching": True},
+    # the engine's own default, which the server used before it took vllm serve's (H200: 1,024)
+    "max-num-seqs 128": {"max_num_seqs": 128},
     "max-num-seqs 256": {"max_num_seqs": 256},
     "max-num-seqs 1024": {"max_num_seqs": 1024},
     # a CUDA graph for every batch size up to 512, in steps of 16 past 8

@@ -27,6 +27,16 @@ def test_generate_returns_while_request_still_in_flight(client):
     assert [len(c.token_ids) for c in completions] == [1500] * 8
 
 
+def test_without_max_num_seqs_the_engine_admits_what_vllm_serve_does_on_this_device(client):
+    """vllm serve's batch limit for the device (an H100 or H200: 1,024 sequences), not the
+    engine's own default (128 everywhere). On a CPU both are 128: the GPU run tells them apart."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    _, max_num_seqs = AsyncEngineArgs.get_batch_defaults(world_size=1)
+    assert client.health()["max_num_seqs"] == max_num_seqs[UsageContext.OPENAI_API_SERVER]
+
+
 def test_get_future_by_id_and_by_identical_arguments_agree(client):
     # greedy: the same arguments give the same tokens even where (on a GPU) the two requests
     # share a batch and seeded sampling is not batch-invariant
