@@ -1209,6 +1209,8 @@ def add_engine_flags(g):
     g.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size in bytes")
     # default: vllm serve's on the device (Engine.__init__)
     g.add_argument("--max-num-seqs", type=int, help="most sequences decoded at once")
+    # default: vllm serve's on the device, as --max-num-seqs (H100, H200: 8,192)
+    g.add_argument("--max-num-batched-tokens", type=int, help="most tokens a step schedules")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model replica")
     g.add_argument("--data-parallel-size", type=int, default=1, help="model replicas")
     g.add_argument("--seed", type=int, default=0, help="engine seed")

@@ -173,12 +173,14 @@ def device_setup(p, args):
         p.error(f"--device {args.device}: {torch.cuda.device_count()} GPUs visible")
     # this process's CUDA work on the trainer's GPU
     torch.cuda.set_device(torch.device(args.device).index or 0)
-    # vLLM's default admits 128 sequences at a time here; unthrottled means every step submitted
-    # at once (in-flight K=2: three)
+    # unthrottled: every step submitted at once (in-flight K=2: three); a step schedules at most
+    # 2,048 tokens, the engine's own default, as every GPU parity run so far (the server now takes
+    # vllm serve's 8,192 on an H100 or H200): the seeds of one report ran alike
     share = "0.5" if args.device == "cuda:1" else "0.4"
     server_flags = (
         *("--dtype", "bfloat16", "--gpu-memory-utilization", share),
         *("--max-num-seqs", str(3 * args.prompts_per_step * args.group_size)),
+        *("--max-num-batched-tokens", "2048"),
     )
     return server_flags, {"device": args.device, "dtype": "bfloat16", "bf16": True}
 
