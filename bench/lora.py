@@ -16,7 +16,7 @@
    bytes' broadcast (raw, between two processes) and the folder's writing; its add_lora is not
    counted.
 3. GRPO step: train.train for --steps steps of the addition task with every weight trained and
-   pushed, then with a LoRA adapter (--lora-rank): seconds per step, median (min-max) of all
+   pushed, then with a LoRA adapter (--rank): seconds per step, median (min-max) of all
    steps but the first, with their train and sync parts; and step 0's mismatch (the trainer's
    logprobs of every sampled token against the server's), the exactness of each side.
 The base model is train.py's built-in one of --model-size, warm-started on the addition task

@@ -15,7 +15,9 @@ CPU (--device cpu, the default): core 0 plays the inference GPU: the server is s
 (its children inherit the affinity), with VLLM_CPU_OMP_THREADS_BIND=0. Core 1 plays the training
 GPU: this process, one torch thread.
 GPUs: no pinning. The server is started on GPU 0 (launch_server's default GPU) with --dtype
-bfloat16, --max-num-seqs = the sequences of K+1 steps (vLLM's default there is 128 at a time) and
+bfloat16, --max-num-seqs = the sequences of three steps (every step submitted at once: in-flight
+K=2's three), --max-num-batched-tokens 2048 (the engine's own default, which every GPU parity run
+so far scheduled at; the server now takes vllm serve's 8,192 on an H100 or H200) and
 --gpu-memory-utilization 0.5 (--device cuda:1: this process trains on cuda:1 and pushes over NCCL)
 or 0.4 (--device cuda: this process trains on cuda:0 beside the server and pushes over CUDA IPC),
 compiled with CUDA graphs (no --enforce-eager). The trainer keeps fp32 master weights with bf16

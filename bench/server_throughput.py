@@ -1,6 +1,6 @@
 """Completion tokens per second through the HTTP server + client versus the in-process engine.
 
-    # 64 prompts x n=8 x 32 tokens, 5 rounds
+    # 64 prompts x n=8 x 32 tokens, 7 rounds
     .venv/bin/python bench/server_throughput.py
     .venv/bin/python bench/server_throughput.py --prompts 16 --rounds 3
     # on one GPU: both engines share it

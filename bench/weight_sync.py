@@ -2,8 +2,8 @@
 
     # CPU: 512 hidden x 24 layers, float32, gloo
     .venv/bin/python bench/weight_sync.py
-    # the same with smaller buckets
-    .venv/bin/python bench/weight_sync.py --bucket-mb 64
+    # the same with smaller buckets (the client's default: 32 MiB)
+    .venv/bin/python bench/weight_sync.py --bucket-mb 8
     # GPU: a Qwen2.5-0.5B-shaped model, bf16, one GPU
     python3 bench/weight_sync.py --device cuda
     # the same model on two GPUs: server on 0, trainer on 1, NCCL
