@@ -30,6 +30,7 @@ import queue
 import random
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -410,8 +411,7 @@ class Client(AbortsOnError):
         # ids submitted and not yet fetched -> their number of prompts (a Router's load measure)
         self.pending = {}
         # set by init_communicator: the server's parameters (names, shapes) and its dtype
-        self.spec = None
-        self.dtype = None
+        self.spec = self.dtype = None
         # what the last full push sent, {name: tensor} (update_named_param sends it again)
         self.pushed = {}
         # the weight group, its transport, send buffers and last layout: none yet (_drop_group)
@@ -940,8 +940,12 @@ def model_error(model) -> str:
 
 def load_function(spec, flag):
     """The function that `spec`, "module:function", names (the module importable by this process:
-    beside this file or on PYTHONPATH), or a ValueError that names the `flag`."""
+    beside this file, in the current folder or on PYTHONPATH), or a ValueError that names the
+    `flag`."""
     module, _, name = spec.partition(":")
+    # the caller's folder too, as `python -m` has it (python path/train.py has train.py's)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:

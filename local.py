@@ -4,7 +4,6 @@ tokenizer; nothing is downloaded), for the demo, the tests and the benchmarks; a
 which replaces a model folder in one rename. Off the reading path: client.py is the client.
 """
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -154,7 +153,7 @@ def save_model(model, tokenizer, path, extra=None, state_dict=None):
     except BaseException:
         # stopped (Ctrl-C too) before the swap: `path` is as it was, and nothing is left beside it
         shutil.rmtree(folder, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
+        if os.path.lexists(link):
             os.remove(link)
         if old and not os.path.lexists(path):
             os.rename(old, path)

@@ -167,7 +167,6 @@ def merge(calls) -> tuple[dict | None, str | None]:
             )
         episode.append(prompt[len(episode.token_ids) :], logprobs=None)
         # each call's version spans, counted from its completion's first token
-        start = len(episode.token_ids)
-        episode.versions += [[v, start + first] for v, first in call["versions"]]
+        episode.versions += [[v, len(episode.token_ids) + first] for v, first in call["versions"]]
         episode.append(call["completion_token_ids"], call["logprobs"])
     return vars(episode), None

@@ -5,7 +5,6 @@ metrics.jsonl and TensorBoard events (and to W&B with --wandb), and redraws plot
 """
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict
@@ -29,7 +28,7 @@ class RunLog:
         self.out = cfg.out
         self.history = history
         # time.monotonic() of the last drawing
-        self.drawn = -math.inf
+        self.drawn = float("-inf")
         # (step, result) of each held-out evaluation
         self.evals = [(row["step"], row["eval"]) for row in history if "eval" in row]
         self.jsonl = open(os.path.join(cfg.out, "metrics.jsonl"), "w")

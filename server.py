@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import base64
 import functools
-import glob
 import hashlib
 import hmac
 import itertools
@@ -985,8 +984,7 @@ def read_family_calls(rollouts, tool_parser):
             return None
         return found.tool_calls[0].function.name, found.tool_calls[0].function.arguments
 
-    rollouts.options.call_start = start
-    rollouts.options.call_end = end
+    rollouts.options.call_start, rollouts.options.call_end = start, end
     rollouts.read_call = read_call
 
 
@@ -1120,7 +1118,7 @@ def checkpoint_fingerprint(model, spec, dtype) -> str | None:
     if not os.path.isdir(model):
         model = snapshot_download(model, allow_patterns="*.safetensors")
     named = []
-    for path in glob.glob(os.path.join(model, "*.safetensors")):
+    for path in Path(model).glob("*.safetensors"):
         # safetensors' slices: only the rows that fingerprint reads are read
         with safe_open(path, "pt") as f:
             named += [(name, f.get_slice(name)) for name in set(f.keys()) & set(spec)]
@@ -1168,8 +1166,7 @@ def make_app(args, flags) -> web.Application:
         engine.llm.shutdown()
 
     app.on_shutdown.append(stop_requests)
-    app.cleanup_ctx.append(mcp_ctx)
-    app.cleanup_ctx.append(engine_ctx)
+    app.cleanup_ctx.extend([mcp_ctx, engine_ctx])
     app.add_routes(ROUTES)
     return app
 

@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 def addition_data(n, seed, digits=5):
     """The built-in task: "3+4=" -> "7", with operands 0..digits-1."""
     rng = random.Random(seed)
-    return [
-        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
-        for a, b in ((rng.randrange(digits), rng.randrange(digits)) for _ in range(n))
-    ]
+    pairs = [(rng.randrange(digits), rng.randrange(digits)) for _ in range(n)]
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
 
 
 def calculator_data(n, seed):

@@ -31,6 +31,7 @@ import math
 import os
 import random
 import re
+import reprlib
 import shlex
 import signal
 import sys
@@ -190,7 +191,10 @@ class Config:
 def parse_config(argv=None) -> Config:
     """The flags of `argv`, over those of --config's YAML file, over a resumed run's."""
     parser = argparse.ArgumentParser(
-        description=__doc__, epilog=Config.__doc__, formatter_class=argparse.RawTextHelpFormatter
+        usage="%(prog)s [--config FILE] [--FLAG VALUE ...] (--help lists them)",
+        description=__doc__,
+        epilog=Config.__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
     )
     for f in fields(Config):
         if f.type is bool:
@@ -201,7 +205,9 @@ def parse_config(argv=None) -> Config:
         if f.name == "reward":
             options["action"] = "append"
         # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
-        options |= {"default": argparse.SUPPRESS, "help": f.metadata["help"]}
+        # (a task may set its own: TASKS' defaults)
+        text = f"{f.metadata['help']} (default: {f.default!r})"
+        options |= {"default": argparse.SUPPRESS, "help": text}
         parser.add_argument(as_flag(f.name), **options)
     try:
         given = parse_flags(parser, argv)
@@ -225,13 +231,23 @@ def parse_flags(parser, argv) -> dict:
 def config_flags(path) -> list[str]:
     """The flags that a YAML file's mapping of flag names sets (`max_staleness: 1`, a list as a
     comma list); a name that is no flag is a ValueError naming the nearest one."""
-    settings = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        settings = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"--config {path}: not a mapping of flag names to values (`lr: 1e-5`)")
     names = [f.name for f in fields(Config)]
     argv = []
     for name, value in settings.items():
         if name not in names:
             nearest = difflib.get_close_matches(name, names, n=1, cutoff=0)
-            raise ValueError(f"{path}: {name} is no flag (the nearest: {nearest[0]})")
+            raise ValueError(
+                f"{path}: {name} is no flag (the nearest: {nearest[0]}; TRL's: README)"
+            )
+        # an empty value (`eval_dataset:`) leaves the flag as it is
+        if value is None:
+            continue
         # true and false as --flag and --no-flag, a list as a comma list; a value as one word, as
         # it may begin with "--" (server_args)
         value = ",".join(map(str, value)) if isinstance(value, list) else value
@@ -544,9 +560,7 @@ def check_versions(sampler, samples, staleness):
 # -- the schedules: submit_rollouts() sends a step's prompts, collect() hands them over ------------
 def episode_tools(cfg) -> list[str]:
     """The server tools the episodes may call: --tools, else the task's (calculator: calc)."""
-    if cfg.tools:
-        return cfg.tools.split(",")
-    return list(TASKS[cfg.task].tools)
+    return cfg.tools.split(",") if cfg.tools else list(TASKS[cfg.task].tools)
 
 
 def submit_prompts(client, rows, cfg, **sampling):
@@ -1214,18 +1228,19 @@ def load_data(cfg):
     """(training rows, held-out rows): --eval-dataset's, else the first --eval-prompts distinct
     prompts are held out (when evaluating), and no training row has one of their prompts."""
     data = read_dataset(cfg.dataset, cfg) if cfg.dataset else TASKS[cfg.task].data(10**5, cfg.seed)
-    if not (cfg.eval_every or cfg.eval_only):
-        return data, []
     # --eval-only scores every prompt of --dataset, unless --eval-prompts says otherwise
     count = cfg.eval_prompts or (None if cfg.eval_only and cfg.dataset else 8)
-    if cfg.eval_dataset:
-        return data, read_dataset(cfg.eval_dataset, cfg)[:count]
-    # a prompt by its JSON: a conversational one is a list
-    held_out = list({json.dumps(r["prompt"]): r for r in data}.values())[:count]
-    prompts = {json.dumps(r["prompt"]) for r in held_out}
-    data = [r for r in data if json.dumps(r["prompt"]) not in prompts]
-    if not data and not cfg.eval_only:
-        raise ValueError(f"no training data after {len(held_out)} held out: lower --eval-prompts")
+    held_out = []
+    if cfg.eval_dataset and (cfg.eval_every or cfg.eval_only):
+        held_out = read_dataset(cfg.eval_dataset, cfg)[:count]
+    elif cfg.eval_every or cfg.eval_only:
+        # a prompt by its JSON: a conversational one is a list
+        held_out = list({json.dumps(r["prompt"]): r for r in data}.values())[:count]
+        prompts = {json.dumps(r["prompt"]) for r in held_out}
+        data = [r for r in data if json.dumps(r["prompt"]) not in prompts]
+    # a step samples --prompts-per-step distinct rows
+    if len(data) < cfg.prompts_per_step and not cfg.eval_only:
+        raise ValueError(f"{len(data)} training rows: fewer than --prompts-per-step, a step's")
     return data, held_out
 
 
@@ -1240,6 +1255,9 @@ def read_dataset(name, cfg):
         raise ValueError(f"{name}: {e.__cause__ or e}") from e
     # a row without a task is of the dataset named
     task = os.path.splitext(os.path.basename(os.path.normpath(name)))[0]
+    if loaded and cfg.prompt_column not in loaded[0]:
+        columns = ", ".join(loaded[0])
+        raise ValueError(f"{name}: no column {cfg.prompt_column!r} ({columns}): --prompt-column")
     rows, errors, rewards = [], [], Rewards(cfg)
     for index, row in enumerate(loaded):
         # whatever the row or the reward raises is that row's error
@@ -1250,8 +1268,6 @@ def read_dataset(name, cfg):
             check_row(row, rewards)
             rows.append(row)
         except Exception as e:
-            # what the reward raised, if it raised (score names the row otherwise)
-            e = e.__cause__ or e
             errors.append(f"row {index}: {type(e).__name__}: {e}")
     if errors or not rows:
         shown = "; ".join(errors[:5]) or "no rows"
@@ -1384,10 +1400,13 @@ def score(reward_fn, completion, row) -> float:
     except Exception as e:
         raise RuntimeError(
             f"the reward {reward_fn.__module__}:{reward_fn.__name__} raised {type(e).__name__}: "
-            f"{e}, scoring the completion {completion!r} of the row {row!r}"
+            f"{e}, scoring the completion {completion!r} of the row {reprlib.repr(row)}"
         ) from e
     if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
+        raise ValueError(
+            f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1] or None "
+            "(a reward function scores one completion: f(completion, row))"
+        )
     return math.nan if value is None else float(value)
 
 
@@ -1457,18 +1476,14 @@ def eval_metrics(groups, ks):
     """pass@k and maj@k (majority_correct) for each k in `ks` from `groups`, [row][n] samples
     (evaluate's records), over all rows and per task: {"pass@1": ..., "maj@1": ...,
     "addition/pass@1": ...}."""
-    per_task = {}
+    scores = collections.defaultdict(list)
     for group in groups:
         correct = sum(record["correct"] for record in group)
         for task in ("", group[0]["task"] + "/"):
-            scores = per_task.setdefault(task, collections.defaultdict(list))
             for k in ks:
-                scores[f"pass@{k}"].append(pass_at_k(len(group), correct, k))
-                scores[f"maj@{k}"].append(majority_correct(group[:k]))
-    result = {}
-    for task, scores in per_task.items():
-        result |= {task + name: mean(values) for name, values in scores.items()}
-    return result
+                scores[f"{task}pass@{k}"].append(pass_at_k(len(group), correct, k))
+                scores[f"{task}maj@{k}"].append(majority_correct(group[:k]))
+    return {name: mean(values) for name, values in scores.items()}
 
 
 def majority_correct(samples):

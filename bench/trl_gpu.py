@@ -39,8 +39,8 @@ The layouts, each in its own process (a failure is printed, exactly, and the nex
                 trains on both: n_gpu=2); the weight-sync group at 127.0.0.1 (VLLM_HOST_IP)
   trl-colocate  GRPOTrainer with vLLM in its own process, on GPU 0 alone
   trl-async     `trl vllm-serve` on GPU 0, trl.experimental.async_grpo's AsyncGRPOTrainer on GPU 1
-                (the same devices and group as trl-server),
-                --trl-async-max-staleness (default 1; TRL's own: 4), token_budget 0 (fixed micro-batches).
+                (the same devices and group as trl-server), --trl-async-max-staleness (default 1;
+                TRL's own: 4), token_budget 0 (fixed micro-batches).
                 Its tree attention fetches the FlashAttention-3 kernel from the Hub at run time;
                 without `kernels` the bench swaps in PyTorch SDPA (one segment at a time): said so.
 TRL's vLLM importance-sampling correction (an extra forward per step) is off unless

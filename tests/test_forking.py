@@ -4,6 +4,7 @@ on one's own model, checkpoints and --resume.
 Run: .venv/bin/python -m pytest tests/test_forking.py
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -206,10 +207,44 @@ def test_eval_dataset_gives_the_held_out_prompts(tmp_path):
         tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": "1"} for i in range(9)]
     )
     held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "9+9=", "answer": "18"}])
-    cfg = train.Config(model="m", dataset=data, eval_dataset=held, eval_every=1)
+    cfg = train.Config(model="m", dataset=data, eval_dataset=held, eval_every=1, prompts_per_step=8)
     rows, held_out = train.load_data(cfg)
     assert len(rows) == 9 and [r["prompt"] for r in held_out] == ["9+9="]
     assert held_out[0]["task"] == "held"
+
+
+def test_data_too_small_for_a_step_or_without_its_prompt_column_is_refused_before_a_server(
+    tmp_path,
+):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    cfg = train.Config(model="m", dataset=write_jsonl(tmp_path / "d.jsonl", rows))
+    with pytest.raises(ValueError, match="6 training rows: fewer than --prompts-per-step"):
+        train.load_data(cfg)
+    assert (
+        len(train.load_data(dataclasses.replace(cfg, prompts_per_step=6, micro_batches=2))[0]) == 6
+    )
+    # held-out prompts leave fewer
+    with pytest.raises(ValueError, match="4 training rows"):
+        train.load_data(
+            dataclasses.replace(
+                cfg, prompts_per_step=6, micro_batches=2, eval_every=5, eval_prompts=2
+            )
+        )
+    columns = [{"question": "1+1=", "answer": "2"}]
+    with pytest.raises(ValueError, match=r"no column 'prompt' \(question, answer\): --prompt-col"):
+        train.read_dataset(write_jsonl(tmp_path / "q.jsonl", columns), cfg)
+
+
+def test_a_reward_module_in_the_current_folder_is_found_and_one_that_raises_is_named(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "folder_rewards.py").write_text("def broken(completion, row):\n    return 1 / 0\n")
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "1"}])
+    cfg = train.Config(model="m", dataset=data, reward="folder_rewards:broken")
+    # the row check says which reward raised, and what
+    with pytest.raises(ValueError, match="the reward folder_rewards:broken raised ZeroDivision"):
+        train.read_dataset(data, cfg)
 
 
 def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):

@@ -95,7 +95,24 @@ def test_an_unknown_key_of_a_config_file_is_refused_naming_the_nearest_flag(tmp_
     (tmp_path / "run.yaml").write_text("max_stalenes: 1\n")
     with pytest.raises(SystemExit):
         train.parse_config(["--config", str(tmp_path / "run.yaml"), "--model", "m"])
-    assert "max_stalenes is no flag (the nearest: max_staleness)" in capsys.readouterr().err
+    assert "max_stalenes is no flag (the nearest: max_staleness" in capsys.readouterr().err
+
+
+def test_a_config_file_missing_or_not_a_mapping_is_one_line_and_an_empty_value_the_default(
+    tmp_path, capsys
+):
+    path = tmp_path / "run.yaml"
+    for text, said in [(None, "No such file"), ("- lr: 1\n", "not a mapping"), ("lr: [\n", "")]:
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit):
+            train.parse_config(["--config", str(path), "--model", "m"])
+        err = capsys.readouterr().err
+        assert f"error: --config {path}: " in err and said in err
+    # `eval_dataset:` with nothing after it leaves the flag unset, not the word "None"
+    path.write_text("eval_dataset:\nlr: 0.5\n")
+    cfg = train.parse_config(["--config", str(path), "--model", "m"])
+    assert (cfg.eval_dataset, cfg.lr) == ("", 0.5)
 
 
 def test_a_runs_config_yaml_holds_its_settings_and_starts_a_run_of_its_own(model_path, tmp_path):
@@ -169,7 +186,9 @@ def test_a_reward_that_raises_names_the_row_and_the_completion_and_leaves_the_ru
     [message] = [line for line in run.stderr.splitlines() if line.startswith("RuntimeError: ")]
     assert "the reward tests.my_rewards:flaky raised KeyError: 'solution'" in message
     # the completion's repr: in double quotes where it holds a single one
-    assert "scoring the completion " in message and "of the row {'prompt': '" in message
+    # the row by reprlib (keys sorted, long values cut)
+    assert "scoring the completion " in message and "of the row {'answer': '" in message
+    assert "'prompt': '" in message
     # the checkpoint of step 2, the plot of steps 0 and 1, and nothing half-saved beside them
     assert torch.load(train.state_path(out))["step"] == 2
     assert os.path.getsize(os.path.join(out, "plot.png")) > 10_000

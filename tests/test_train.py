@@ -1122,7 +1122,7 @@ def test_conversational_rows_without_a_chat_template_are_refused_naming_chat_tem
     # no server there: the refusal comes before any is reached
     args = ["--model", str(folder), "--dataset", str(data), "--server-url", "http://127.0.0.1:9"]
     with pytest.raises(SystemExit) as e:
-        train.main(args + ["--out", str(tmp_path / "run")])
+        train.main(args + ["--prompts-per-step", "4", "--out", str(tmp_path / "run")])
     assert "has no chat template" in str(e.value.code) and "--chat-template FILE" in str(
         e.value.code
     )
