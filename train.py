@@ -3,7 +3,8 @@
     python train.py                      # demo: the tiny model learns addition (minutes on a CPU)
     python train.py --schedule sync-batch    # the synchronous loop, for comparison
     python train.py --config examples/run.yaml   # GSM8K on Qwen2.5-0.5B-Instruct, on a GPU
-    python train.py --dataset my.jsonl --reward my_rewards:boxed --save-every 20 --out runs/mine
+    python train.py --dataset my.jsonl --reward my_rewards:boxed --max-tokens 256 \\
+        --save-every 20 --out runs/mine
     python train.py --resume runs/mine --steps 200     # goes on from its last checkpoint
     python train.py --config runs/mine/config.yaml --out runs/b    # a new run with those flags
     python train.py --dataset openai/gsm8k:main --prompt-column question \\
