@@ -1224,7 +1224,7 @@ def add_http_flags(g):
     # not loopback: needs --api-key
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
-    g.add_argument("--served-model-name", help="the model's name in /v1 (default: --model)")
+    g.add_argument("--served-model-name", help="the model's name in /v1 (None: --model's)")
     # default: $VLLM_API_KEY; every route but /health and /metrics needs it
     g.add_argument("--api-key", help="the key callers must send")
 
@@ -1238,7 +1238,7 @@ def add_limit_flags(g):
     g.add_argument("--max-pending-mb", type=int, default=1024, help="most MiB of bodies held")
     g.add_argument("--result-ttl", type=float, default=600.0, help="seconds a result is kept")
     # a trainer's queued steps wait unfetched while it trains: theirs is a bound for a dead trainer
-    g.add_argument("--kept-result-ttl", type=float, default=3600.0, help="s, nobody polling")
+    g.add_argument("--kept-result-ttl", type=float, default=3600.0, help="seconds unpolled")
     # a request with a min_version that no push brings fails after it (a 422 from /get_future)
     g.add_argument("--min-version-timeout", type=float, default=600.0, help="seconds it may wait")
     g.add_argument("--max-body-mb", type=int, default=16, help="largest request body, in MiB")
