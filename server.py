@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 import uuid
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +129,16 @@ class ApiError(web.HTTPException):
 
 
 # -- validation: turn a JSON body into engine arguments, or answer 400 -----------------------------
+@contextmanager
+def refused_as(message):
+    """Whatever the block raises (vLLM's, transformers' or a decoder's error) as a 400
+    "message: error"."""
+    try:
+        yield
+    except Exception as e:
+        raise ApiError(f"{message}: {e}") from None
+
+
 async def read_json(request) -> dict:
     try:
         body = await request.json()
@@ -191,16 +201,14 @@ def chat_prompt(engine, body) -> list[int]:
         for m in messages
     ):
         raise ApiError("'messages' must be a non-empty list of {role, content (a string)}")
-    try:
+    # no template, one that refuses these roles, or tool calls that are not OpenAI's
+    with refused_as("the model's chat template cannot render these messages"):
         for m in messages:
             for call in m.get("tool_calls") or []:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         text = engine.tokenizer.apply_chat_template(
             messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
         )
-    # no template, one that refuses these roles, or tool calls that are not OpenAI's
-    except Exception as e:
-        raise ApiError(f"the model's chat template cannot render these messages: {e}") from None
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -227,13 +235,11 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
     # vLLM seeds choice i with seed + i, which must fit the engine core's uint64
     if isinstance(fields.get("seed"), int) and fields["seed"] + n > 2**64:
         raise ApiError("'seed' + n must be at most 2**64 (vLLM seeds choice i with seed + i)")
-    try:
+    # vLLM's validation errors (their class changes between releases)
+    with refused_as("invalid sampling parameters"):
         params = SamplingParams(**fields)
         # the last guard: what the engine's input thread could not decode never reaches it
         check_encodable(params)
-    # vLLM's validation errors (their class changes between releases)
-    except Exception as e:
-        raise ApiError(f"invalid sampling parameters: {e}") from None
     return params
 
 
@@ -269,10 +275,8 @@ def tool_request(state, body) -> ChatCompletionRequest | None:
             "'tools' need a server started with --tool-call-parser, and 'tool_choice' "
             "'auto' (the default) or 'none': no tool call is forced"
         )
-    try:
+    with refused_as("invalid chat request"):
         request = ChatCompletionRequest.model_validate(body)
-    except Exception as e:
-        raise ApiError(f"invalid chat request: {e}") from None
     return state.tool_parser(request.tools).adjust_request(request)
 
 
@@ -841,7 +845,8 @@ async def update_adapter(request):
     mode, version = update_mode(body)
     refused = f"adapter refused, version {request.app[ENGINE].version} kept"
     start = time.perf_counter()
-    try:
+    # binascii's, safetensors' or check_adapter's
+    with refused_as(refused):
         # the adapter's safetensors file: a path in /dev/shm on this host, or its bytes in the body
         if "adapter_file" in body:
             data = Path(shared_file(checked_field(body, "adapter_file", str))).read_bytes()
@@ -854,9 +859,6 @@ async def update_adapter(request):
         base = body.get("base_fingerprint", state.fingerprint)
         if state.fingerprint and base != state.fingerprint:
             raise ValueError(f"trained on base weights {base}, not the {state.fingerprint} served")
-    # binascii's, safetensors' or check_adapter's
-    except Exception as e:
-        raise ApiError(f"{refused}: {e}") from None
     read_s = time.perf_counter() - start
     # the drain's and the load's
     limits = state.flags.drain_timeout, state.flags.weight_sync_timeout

@@ -27,6 +27,7 @@ import difflib
 import functools
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -217,7 +218,7 @@ def parse_config(argv=None) -> Config:
         settings = resumed_settings(given, parser)
         # the task's own defaults, where neither a flag nor the resumed run sets them
         return Config(**TASKS[settings.get("task", Config.task)].defaults | settings)
-    except ValueError as e:
+    except (ValueError, OSError, yaml.YAMLError) as e:
         parser.error(str(e))
 
 
@@ -232,10 +233,9 @@ def parse_flags(parser, argv) -> dict:
 def config_flags(path) -> list[str]:
     """The flags that a YAML file's mapping of flag names sets (`max_staleness: 1`, a list as a
     comma list); a name that is no flag is a ValueError naming the nearest one."""
-    try:
-        settings = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"--config {path}: {e}") from None
+    # a missing file, or YAML that does not parse, names the file (parse_config)
+    with open(path) as f:
+        settings = yaml.safe_load(f) or {}
     if not isinstance(settings, dict):
         raise ValueError(f"--config {path}: not a mapping of flag names to values (`lr: 1e-5`)")
     names = [f.name for f in fields(Config)]
@@ -644,9 +644,24 @@ class Sample:
 
 
 def to_sample(row, output, rewards) -> Sample:
-    """A server output of `row`, a Completion or an Episode, as the Sample the trainer reads."""
-    if output is None or isinstance(output, Episode):
-        return episode_sample(row, output, rewards)
+    """A server output of `row`, a Completion or a tool Episode (its loss mask, its tool calls), as
+    the Sample the trainer reads."""
+    # Client.session's episode is None when the calls do not continue one another token for token
+    if output is None:
+        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
+    if isinstance(output, Episode):
+        # an episode merged from a session has no spans: its first turn's version
+        spans = output.versions or [[output.turns[0]["version"], 0]]
+        return Sample(
+            ids=output.token_ids,
+            mask=output.loss_mask,
+            logprobs=output.logprobs,
+            versions=per_token(spans, 0, len(output.token_ids)),
+            **rewards(output.turns[-1]["text"], row),
+            truncated=output.finish_reason == "length",
+            tool_calls=len(output.tool_calls),
+            tool_errors=sum(call["result"].startswith("error") for call in output.tool_calls),
+        )
     prompt = output.prompt_token_ids
     return Sample(
         ids=prompt + output.token_ids,
@@ -655,25 +670,6 @@ def to_sample(row, output, rewards) -> Sample:
         versions=per_token(output.versions, len(prompt), len(prompt) + len(output.token_ids)),
         **rewards(output.text, row),
         truncated=output.finish_reason == "length",
-    )
-
-
-def episode_sample(row, episode, rewards) -> Sample:
-    """A tool episode of `row` as the Sample the trainer reads: its loss mask, its tool calls."""
-    # Client.session's episode is None when the calls do not continue one another token for token
-    if episode is None:
-        raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
-    # an episode merged from a session has no spans: its first turn's version
-    spans = episode.versions or [[episode.turns[0]["version"], 0]]
-    return Sample(
-        ids=episode.token_ids,
-        mask=episode.loss_mask,
-        logprobs=episode.logprobs,
-        versions=per_token(spans, 0, len(episode.token_ids)),
-        **rewards(episode.turns[-1]["text"], row),
-        truncated=episode.finish_reason == "length",
-        tool_calls=len(episode.tool_calls),
-        tool_errors=sum(call["result"].startswith("error") for call in episode.tool_calls),
     )
 
 
@@ -1257,8 +1253,7 @@ def read_dataset(name, cfg):
     # a row without a task is of the dataset named
     task = os.path.splitext(os.path.basename(os.path.normpath(name)))[0]
     if loaded and cfg.prompt_column not in loaded[0]:
-        columns = ", ".join(loaded[0])
-        raise ValueError(f"{name}: no column {cfg.prompt_column!r} ({columns}): --prompt-column")
+        raise ValueError(f"{name}: no {cfg.prompt_column!r} in {list(loaded[0])}: --prompt-column")
     rows, errors, rewards = [], [], Rewards(cfg)
     for index, row in enumerate(loaded):
         # whatever the row or the reward raises is that row's error
@@ -1322,8 +1317,7 @@ def tool_message_format(cfg) -> str:
     call, answer = "\x00call\x00", "\x00answer\x00"
     messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": call}]
     messages.append({"role": "tool", "content": answer})
-    text = rendered_prompt({"prompt": messages}, cfg)
-    return text.rpartition(call)[2].replace(answer, "{}")
+    return rendered_prompt({"prompt": messages}, cfg).rpartition(call)[2].replace(answer, "{}")
 
 
 # --dataset's files by suffix, and the loader of the datasets library that reads each
@@ -1372,14 +1366,14 @@ def is_conversational(prompt):
 # -- the reward: --reward's functions, or the task's ----------------------------------------------
 class Rewards:
     """--reward's functions (module:function, importable from here; a comma list, or the flag given
-    again), else the task's own, and --reward-weights (TRL's reward_funcs, reward_weights): a
-    sample's reward is the weighted sum of those that apply to it (a function returns None where
-    it does not: absent from the sum, not 0, TRL's nansum)."""
+    again; TRL's batch form too, per_sample), else the task's own, and --reward-weights (TRL's
+    reward_funcs, reward_weights): a sample's reward is the weighted sum of those that apply to it
+    (a function returns None where it does not: absent from the sum, not 0, TRL's nansum)."""
 
     def __init__(self, cfg):
         specs = cfg.reward.split(",") if cfg.reward else []
         default = answer_reward if cfg.dataset else TASKS[cfg.task].reward
-        self.functions = [load_function(spec, "--reward") for spec in specs] or [default]
+        self.functions = [per_sample(load_function(s, "--reward")) for s in specs] or [default]
         self.names = [function.__name__ for function in self.functions]
         weights = cfg.reward_weights.split(",") if cfg.reward_weights else [1] * len(self.names)
         if len(weights) != len(self.names):
@@ -1392,6 +1386,23 @@ class Rewards:
         each = [score(function, completion, row) for function in self.functions]
         total = sum(w * r for w, r in zip(self.weights, each) if not math.isnan(r))
         return {"reward": total, "rewards": each}
+
+
+def per_sample(function):
+    """A reward function in TRL's form, f(completions, prompts, **columns) -> a list, as one of
+    ours, f(completion, row) -> a number: a batch of one sample; any other as it is."""
+    if "completions" not in inspect.signature(function).parameters:
+        return function
+
+    @functools.wraps(function)
+    def one(completion, row):
+        # TRL hands a conversational row's completions over as messages
+        if is_conversational(row["prompt"]):
+            completion = [{"role": "assistant", "content": completion}]
+        columns = {k: [v] for k, v in row.items() if k != "prompt"}
+        return function(completions=[completion], prompts=[row["prompt"]], **columns)[0]
+
+    return one
 
 
 def score(reward_fn, completion, row) -> float:

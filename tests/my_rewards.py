@@ -23,6 +23,14 @@ def two(completion, row):
     return 2.0
 
 
+def trl_correct(completions, answer, **kwargs):
+    """TRL's form: a batch of completions (messages for a conversational prompt) and each column
+    as a keyword, a list of rewards back."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    assert len(kwargs["prompts"]) == len(texts) == len(answer)
+    return [float(text.strip() == str(a)) for text, a in zip(texts, answer)]
+
+
 def boxed(completion, row):
     """1 if the completion's last \\boxed{...} holds the row's answer, else 0."""
     boxes = re.findall(r"\\boxed\{([^}]*)\}", completion)

@@ -231,7 +231,7 @@ def test_data_too_small_for_a_step_or_without_its_prompt_column_is_refused_befor
             )
         )
     columns = [{"question": "1+1=", "answer": "2"}]
-    with pytest.raises(ValueError, match=r"no column 'prompt' \(question, answer\): --prompt-col"):
+    with pytest.raises(ValueError, match=r"no 'prompt' in \['question', 'answer'\]: --prompt-c"):
         train.read_dataset(write_jsonl(tmp_path / "q.jsonl", columns), cfg)
 
 
@@ -245,6 +245,16 @@ def test_a_reward_module_in_the_current_folder_is_found_and_one_that_raises_is_n
     # the row check says which reward raised, and what
     with pytest.raises(ValueError, match="the reward folder_rewards:broken raised ZeroDivision"):
         train.read_dataset(data, cfg)
+
+
+def test_a_reward_in_trls_form_scores_one_sample_as_a_batch_of_one_plain_or_conversational():
+    cfg = train.Config(model="m", reward="tests.my_rewards:trl_correct,tasks:answer_reward")
+    rewards = train.Rewards(cfg)
+    assert rewards.names == ["trl_correct", "answer_reward"]
+    chat = [{"role": "user", "content": "1+1="}]
+    for prompt in ("1+1=", chat):
+        assert rewards("2", {"prompt": prompt, "answer": "2"})["rewards"] == [1.0, 1.0]
+        assert rewards(" 3", {"prompt": prompt, "answer": "2"})["rewards"][0] == 0.0
 
 
 def test_a_reward_outside_0_1_is_refused_with_its_prompt(tmp_path):

@@ -102,13 +102,14 @@ def test_a_config_file_missing_or_not_a_mapping_is_one_line_and_an_empty_value_t
     tmp_path, capsys
 ):
     path = tmp_path / "run.yaml"
-    for text, said in [(None, "No such file"), ("- lr: 1\n", "not a mapping"), ("lr: [\n", "")]:
+    for text, said in [(None, "No such file"), ("- lr: 1\n", "not a mapping"), ("lr: [\n", "line")]:
         if text is not None:
             path.write_text(text)
         with pytest.raises(SystemExit):
             train.parse_config(["--config", str(path), "--model", "m"])
         err = capsys.readouterr().err
-        assert f"error: --config {path}: " in err and said in err
+        # one line or YAML's own few, naming the file
+        assert "error: " in err and str(path) in err and said in err and len(err.splitlines()) < 9
     # `eval_dataset:` with nothing after it leaves the flag unset, not the word "None"
     path.write_text("eval_dataset:\nlr: 0.5\n")
     cfg = train.parse_config(["--config", str(path), "--model", "m"])
