@@ -226,6 +226,8 @@ def parse_sampling(body, state, extra=()) -> SamplingParams:
     flags = state.flags
     n = checked_field(fields, "n", int, 1, 1, flags.max_n, " (--max-n)")
     checked_field(fields, "max_tokens", int, 16, 1, flags.max_model_len, " (--max-model-len)")
+    # vLLM's max_logprobs, which it checks only once the request runs
+    checked_field(fields, "logprobs", int, 0, 0, 20)
     sequences = n * len(body.get("prompts") or [])
     if sequences > flags.max_request_seqs:
         raise ApiError(
@@ -247,12 +249,13 @@ def parse_request(app, body, extra) -> tuple[list, SamplingParams]:
     """The prompts and SamplingParams of a /generate or /rollout body (whose other fields are
     REQUEST_FIELDS and `extra`), or a 4xx; also checks the fields that add_request() reads."""
     check_serving(app)
-    prompts = body.get("prompts")
+    # a copy: the body stays as sent, so that the identical body finds the request (args_key)
+    prompts = list(body["prompts"]) if isinstance(body.get("prompts"), list) else None
     # a conversation, [{role, content}, ...], rendered by the model's chat template (Client.chat)
-    for i, prompt in enumerate(prompts if isinstance(prompts, list) else []):
+    for i, prompt in enumerate(prompts or []):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompts[i] = chat_prompt(app[ENGINE], {"messages": prompt})
-    prompts = parse_prompts(body, app[STATE])
+    prompts = parse_prompts({"prompts": prompts}, app[STATE])
     params = parse_sampling(body, app[STATE], extra=(*REQUEST_FIELDS, *extra))
     checked_field(body, "priority", int, 0)
     # a request waits for its min_version: at most the next push's, or it might never run
@@ -448,12 +451,13 @@ async def generate_route(request):
     prompts, params = parse_request(app, body, extra=("split_prompts",))
     # split: one request per prompt, in one call, each collected as soon as its own prompt is done
     split = checked_field(body, "split_prompts", bool, False)
-    bodies = [{**body, "prompts": [p]} for p in prompts] if split else [body]
+    # (the body a request is found by, its prompts)
+    bodies = [({**body, "prompts": [p]}, [p]) for p in prompts] if split else [(body, prompts)]
     nbytes = await check_room(request, len(bodies))
     priority = body.get("priority", 0)
     ids = [
-        add_request(app, one, run_completions, one["prompts"], params, priority, nbytes=nbytes)
-        for one in bodies
+        add_request(app, one, run_completions, work, params, priority, nbytes=nbytes)
+        for one, work in bodies
     ]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
 
@@ -732,6 +736,8 @@ def check_bucket(bucket, state, seen):
                 f"bucket of {size} bytes"
             )
         end = offset + nbytes
+    # the server allocates `size` bytes to receive into: no more than its params take
+    checked_field(bucket, "size", int, 0, end, end + 15, " (its params' bytes, 16-byte aligned)")
     check_handle(bucket.get("handle"), state.transport, size)
 
 

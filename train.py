@@ -1415,10 +1415,7 @@ def score(reward_fn, completion, row) -> float:
             f"{e}, scoring the completion {completion!r} of the row {reprlib.repr(row)}"
         ) from e
     if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ValueError(
-            f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1] or None "
-            "(a reward function scores one completion: f(completion, row))"
-        )
+        raise ValueError(f"a reward of {value!r} for {row['prompt']!r}: not a number in [0, 1]")
     return math.nan if value is None else float(value)
 
 

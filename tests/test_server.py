@@ -53,6 +53,15 @@ def test_get_future_by_id_and_by_identical_arguments_agree(client):
     assert post(client, "/get_future", json=body).status_code == 404  # both fetched and freed
 
 
+def test_a_conversation_is_found_by_its_identical_body(client):
+    """The server renders a conversation by the chat template; the body it is found by stays the
+    one sent."""
+    body = {"prompts": [[{"role": "user", "content": "2+2="}]], "max_tokens": 3}
+    request_id = post(client, "/generate", json=body).json()["request_id"]
+    found = post(client, "/get_future", json={**body, "timeout": 60})
+    assert found.status_code == 200 and found.json()["request_id"] == request_id
+
+
 def test_n_completions_each_with_token_ids_and_logprobs(client):
     results = client.generate(["hello", [5, 6, 7]], n=8, max_tokens=20, temperature=1.0)
     assert len(results) == 2
@@ -138,6 +147,8 @@ BAD_INPUTS = [
     ({"json": {"prompts": ["a"], "temperature": "hot"}}, 400, "temperature"),
     ({"json": {"prompts": ["a"], "top_p": 7.0}}, 400, "top_p"),
     ({"json": {"prompts": ["a"], "bogus": 1}}, 400, "bogus"),
+    # vLLM's max_logprobs: refused at once, not a 422 once the request runs
+    ({"json": {"prompts": ["a"], "logprobs": 21}}, 400, "logprobs"),
     ({"data": b"{not json"}, 400, "JSON"),
     ({"json": [1, 2]}, 400, "object"),
     ({"data": b"x" * (17 << 20)}, 413, ""),

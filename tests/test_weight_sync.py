@@ -195,6 +195,19 @@ def test_bad_update_is_rejected_and_changes_nothing(trainer, param, word):
     assert (server_greedy(trainer), trainer.health()["version"]) == before
 
 
+def test_a_bucket_larger_than_its_params_is_a_400_before_the_server_allocates_it(trainer):
+    """A bucket's size is what the server allocates to receive into: a petabyte is refused, not
+    tried (which failed only after the workers had begun to receive)."""
+    params, end = [], 0
+    for name, shape in trainer.spec.items():
+        params.append({"name": name, "dtype": "float32", "shape": shape, "offset": end})
+        end += (4 * math.prod(shape) + 15) // 16 * 16
+    version = trainer.health()["version"]
+    r = post(trainer, "/update_weights", {"buckets": [{"size": 10**15, "params": params}]})
+    assert r.status_code == 400 and "'size' must be between" in r.json()["error"]
+    assert trainer.health()["version"] == version
+
+
 @pytest.mark.parametrize(
     "params,word",
     [
