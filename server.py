@@ -203,6 +203,8 @@ def chat_prompt(engine, body) -> list[int]:
         raise ApiError("'messages' must be a non-empty list of {role, content (a string)}")
     # no template, one that refuses these roles, or tool calls that are not OpenAI's
     with refused_as("the model's chat template cannot render these messages"):
+        # a copy, JSON's as it came: the caller's body stays as sent (args_key finds it by that)
+        messages = json.loads(json.dumps(messages))
         for m in messages:
             for call in m.get("tool_calls") or []:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])

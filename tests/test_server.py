@@ -54,12 +54,17 @@ def test_get_future_by_id_and_by_identical_arguments_agree(client):
 
 
 def test_a_conversation_is_found_by_its_identical_body(client):
-    """The server renders a conversation by the chat template; the body it is found by stays the
-    one sent."""
-    body = {"prompts": [[{"role": "user", "content": "2+2="}]], "max_tokens": 3}
-    request_id = post(client, "/generate", json=body).json()["request_id"]
-    found = post(client, "/get_future", json={**body, "timeout": 60})
-    assert found.status_code == 200 and found.json()["request_id"] == request_id
+    """The server renders a conversation by the chat template (a tool call's arguments as the
+    object they hold); the body it is found by stays the one sent."""
+    call = {"type": "function", "function": {"name": "calc", "arguments": '{"x": "1+1"}'}}
+    for messages in (
+        [{"role": "user", "content": "2+2="}],
+        [{"role": "user", "content": "2+2="}, {"role": "assistant", "tool_calls": [call]}],
+    ):
+        body = {"prompts": [messages], "max_tokens": 3}
+        request_id = post(client, "/generate", json=body).json()["request_id"]
+        found = post(client, "/get_future", json={**body, "timeout": 60})
+        assert found.status_code == 200 and found.json()["request_id"] == request_id
 
 
 def test_n_completions_each_with_token_ids_and_logprobs(client):
