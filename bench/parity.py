@@ -50,11 +50,13 @@ beside our one step stale. Then the steps and seconds to --target (by default sy
 at step 0 plus --gain: the first evaluation whose median is at or above it; "not reached"
 otherwise), and a line per schedule: its median accuracy at the last step inside or outside the
 sync-batch band there (the on-policy band), how many seeds reach --target and their seconds to it
-(each at its own first evaluation at or above it: median and band), and the median curve's speed-up
-to --target (sync-batch's seconds over its own). It draws --plot-dir/parity-cpu.png (or -gpu.png):
-accuracy and reward against steps and against seconds, each schedule's median and band; and
-parity-cpu-seconds.png (or -gpu-): accuracy against seconds alone, each schedule's speed-up to
---target in its legend (the README's figure).
+(each at its own first evaluation at or above it: median and band), the median curve's speed-up
+to --target (sync-batch's seconds over its own), and the speed-up seed by seed (each over sync-batch
+at the same seed: a seed's runs share one machine, and machines of one kind may differ in speed, so
+seeds trained in different sessions compare safely only this way). It draws
+--plot-dir/parity-cpu.png (or -gpu.png): accuracy and reward against steps and against seconds,
+each schedule's median and band; and parity-cpu-seconds.png (or -gpu-): accuracy against seconds
+alone, each schedule's speed-up to --target in its legend (the README's figure).
 
 A run that trained nothing (no group of any step with an advantage: every reward of each group
 equal; bench/runs.py) stops the benchmark as it ends (exit 1): no parity is reported from it. One
@@ -402,8 +404,10 @@ def report(args, curves, histories):
     reached = {name: to_target(runs, args.target) for name, runs in curves.items()}
     on_policy = band(curves["sync-batch"], -1, "accuracy")
     base = reached["sync-batch"]
+    # each seed's own: its runs share a machine, whose speed may not be the other seeds'
+    own = [to_target([points], args.target) for points in curves["sync-batch"]]
     for name, runs in curves.items():
-        print(verdict(name, runs, on_policy, reached[name], base, args.target))
+        print(verdict(name, runs, on_policy, reached[name], (base, own), args.target))
     draw(curves, args)
     draw_headline(curves, args, reached)
 
@@ -498,10 +502,12 @@ def against_trl(path, histories):
     return line + f"; ours one step stale (in-flight K=1) {spread(ours)}: {ratio:.2f}x TRL's"
 
 
-def verdict(name, runs, on_policy, reached, base, target):
+def verdict(name, runs, on_policy, reached, bases, target):
     """The schedule's line: its last accuracy against the on-policy band, each seed's seconds to
-    the target (at its own first evaluation at or above it), and the median curve's speed-up to
-    the target over sync-batch's."""
+    the target (at its own first evaluation at or above it), the median curve's speed-up to the
+    target over sync-batch's, and each seed's over the same seed's sync-batch (`bases`: the median
+    curve's (step, seconds) at the target and each seed's, None where not reached)."""
+    base, own = bases
     last = band(runs, -1, "accuracy")
     line = f"{name}: step {runs[0][-1].step} accuracy {last.show()}"
     if name != "sync-batch":
@@ -520,7 +526,9 @@ def verdict(name, runs, on_policy, reached, base, target):
         return line
     if not base:
         return line + ", sync-batch did not reach it"
-    return line + f", speed-up {base[1] / reached[1]:.2f}x"
+    # seed by seed against sync-batch at that seed: a run's seconds are its machine's
+    ratios = [f"{b[1] / e[1]:.2f}x" if b and e else "-" for b, e in zip(own, each)]
+    return line + f", speed-up {base[1] / reached[1]:.2f}x; seed by seed {', '.join(ratios)}"
 
 
 # a dash pattern a schedule, the same in both figures: overlap's curve lies on sync-batch's (the

@@ -14,6 +14,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -73,6 +74,42 @@ def parity(server, tmp_path, *flags):
     """bench/parity.py --smoke: 6 steps of 8 prompts x 8 a run, 2 seeds, evaluations every 2."""
     folders = ("--out", str(tmp_path / "runs"), "--plot-dir", str(tmp_path))
     return bench("parity.py", "--smoke", "--server-url", server.base_url, *folders, *flags)
+
+
+def test_the_parity_report_of_the_h100_runs_gives_each_seeds_speed_up_over_its_own_sync_batch(
+    tmp_path,
+):
+    """bench/parity.py --reuse on the chat-sums runs in docs/data (seeds 0-1, each on its own H100):
+    the report needs no server, and each seed's speed-up to the target is over sync-batch at that
+    seed, derived here again from the runs' metrics.jsonl and eval.json."""
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        with tarfile.open(os.path.join(ROOT, "docs", "data", f"parity-h100-seed{seed}.tgz")) as tar:
+            for member in tar.getmembers():
+                # slim/NAME-seedS/FILE -> runs/NAME-seedS/FILE
+                member.name = member.name.partition("/")[2]
+                if member.name:
+                    tar.extract(member, runs, filter="data")
+    flags = ("--device", "cuda", "--warm-start-steps", "350", "--reuse", "--seeds", "2")
+    run = bench("parity.py", *flags, "--out", str(runs), "--plot-dir", str(tmp_path), smoke=())
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    [title] = [x for x in lines if x.startswith("to held-out exact accuracy ")]
+    target = float(title.removeprefix("to held-out exact accuracy ").rstrip(":"))
+
+    def seconds_to_target(name, seed):
+        """The seconds of training before the run's first evaluation at or above the target."""
+        folder = runs / f"{name}-seed{seed}"
+        rows = [json.loads(x) for x in open(folder / "metrics.jsonl")]
+        points = [(r["step"], r["eval"]["pass@1"]) for r in rows if "eval" in r]
+        points.append((len(rows), json.load(open(folder / "eval.json"))["pass@1"]))
+        step = next(step for step, accuracy in points if accuracy >= target)
+        return sum(r["step_s"] - r.get("eval", {}).get("seconds", 0) for r in rows[:step])
+
+    for name, label in (("overlap", "overlap"), ("in-flight-K=1", "in-flight K=1")):
+        ratios = [seconds_to_target("sync-batch", s) / seconds_to_target(name, s) for s in (0, 1)]
+        [line] = [x for x in lines if x.startswith(f"{label}: step 100 accuracy ")]
+        assert line.endswith(f"seed by seed {ratios[0]:.2f}x, {ratios[1]:.2f}x"), (line, ratios)
 
 
 def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_time_to_target(
@@ -159,7 +196,14 @@ def test_the_parity_bench_reports_each_schedules_band_against_on_policy_and_its_
     assert against.endswith(f"{2.2 / ours:.2f}x TRL's"), against
     [stale] = [x for x in lines if x.startswith("in-flight K=1: step 6 accuracy ")]
     assert re.search(r"(inside|outside) the on-policy band \d", stale), stale
-    assert stale.endswith(("target not reached", "x", "sync-batch did not reach it")), stale
+    assert stale.endswith(("target not reached", "x", "-", "sync-batch did not reach it")), stale
+    # with a speed-up, one seed by seed as well: over sync-batch at the same seed, "-" where either
+    # run did not reach the target
+    if ", speed-up " in stale:
+        seeds = re.search(r"; seed by seed (.*)$", stale)[1].split(", ")
+        assert len(seeds) == 2 and all(re.fullmatch(r"\d+\.\d\dx|-", x) for x in seeds), stale
+        reached = int(re.search(r"(\d) of 2 seeds reach the target", stale)[1])
+        assert sum(x != "-" for x in seeds) <= reached, stale
     assert (tmp_path / "parity-cpu.png").stat().st_size > 10_000
     # the README's figure: accuracy against seconds alone
     assert (tmp_path / "parity-cpu-seconds.png").stat().st_size > 10_000
