@@ -959,9 +959,7 @@ class RolloutEngine:
         defaults = self.options.call_start, self.options.call_end
         if self.read_call and (call_start, call_end) == defaults:
             found = self.read_call(call_start + call + call_end)
-            if found is None:
-                return "", call, True
-            return *found, True
+            return ("", call, True) if found is None else (*found, True)
         name, _, argument = call.strip().partition(" ")
         return name, argument, False
 
@@ -1000,9 +998,7 @@ class RolloutEngine:
         # a hung tool holds TOOL_THREADS threads at most: its later calls time out waiting for one
         return await in_daemon_thread(call, self.slots[name])
 
-    async def episode(
-        self, prompt, params: SamplingParams, options: EpisodeOptions, k=0
-    ) -> Episode:
+    async def episode(self, prompt, params: SamplingParams, options: EpisodeOptions, k) -> Episode:
         """The `k`-th episode of `prompt`; with a seed, each k samples turns of its own."""
         call_start, call_end = options.call_start, options.call_end
         ids = list(prompt) if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)

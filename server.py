@@ -506,6 +506,10 @@ def requested_tasks(app, body) -> dict:
     `request_id`, or the oldest request with the identical arguments that no other caller is
     waiting for (so that identical requests are fetched once each)."""
     state = app[STATE]
+    # beside an id, only a timeout: a misspelt one would wait the default unnoticed
+    unknown = sorted(set(body) - {"request_id", "request_ids", "timeout"})
+    if unknown and ("request_ids" in body or "request_id" in body):
+        raise ApiError(f"unknown fields {unknown} beside a request id: only 'timeout' is")
     if "request_ids" in body:
         ids = checked_field(body, "request_ids", [str])
         if len(set(ids)) < len(ids):

@@ -242,10 +242,8 @@ def config_flags(path) -> list[str]:
     argv = []
     for name, value in settings.items():
         if name not in names:
-            nearest = difflib.get_close_matches(name, names, n=1, cutoff=0)
-            raise ValueError(
-                f"{path}: {name} is no flag (the nearest: {nearest[0]}; TRL's: README)"
-            )
+            nearest = difflib.get_close_matches(name, names, n=1, cutoff=0)[0]
+            raise ValueError(f"{path}: {name} is no flag (the nearest: {nearest}; TRL's: README)")
         # an empty value (`eval_dataset:`) leaves the flag as it is
         if value is None:
             continue

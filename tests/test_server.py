@@ -197,6 +197,21 @@ def test_a_request_id_listed_twice_is_a_400_and_its_result_stays(client):
     assert 1 <= len(c.token_ids) <= 4
 
 
+def test_a_misspelt_field_beside_a_request_id_is_a_400_and_its_result_stays(client):
+    future = client.generate(["typo"], max_tokens=4, is_async=True)
+    for body in (
+        {"request_id": future.request_id, "timout": 5},
+        {"request_ids": [future.request_id], "wait": 1},
+    ):
+        r = post(client, "/get_future", json=body)
+        assert (
+            r.status_code == 400
+            and str(sorted(set(body) - {"request_id", "request_ids"})) in (r.json()["error"])
+        )
+    [[c]] = future.result()
+    assert 1 <= len(c.token_ids) <= 4
+
+
 def test_a_second_waiter_on_one_request_gets_a_409_and_the_first_its_result(client):
     future = client.generate(["wait"], n=4, max_tokens=1000, ignore_eos=True, is_async=True)
     body = {"request_id": future.request_id, "timeout": 300}
