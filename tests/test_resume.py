@@ -215,7 +215,9 @@ def test_a_run_stopped_by_ctrl_c_or_sigterm_says_in_one_line_where_it_goes_on_an
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     stderr = tmp_path / "stderr.txt"
     with open(stderr, "w") as err:
-        command = [sys.executable, os.path.join(root, "train.py"), *flags, "--group-size", "2"]
+        # -X faulthandler: a run that does not stop prints every thread's stack on SIGABRT
+        script = os.path.join(root, "train.py")
+        command = [sys.executable, "-X", "faulthandler", script, *flags, "--group-size", "2"]
         # an xdist worker ignores SIGINT, and a child that starts with it ignored keeps it so
         # (Python then installs no KeyboardInterrupt): the child's is the default, as in a shell
         default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
@@ -228,7 +230,13 @@ def test_a_run_stopped_by_ctrl_c_or_sigterm_says_in_one_line_where_it_goes_on_an
         assert run.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
         time.sleep(0.05)
     run.send_signal(stop)
-    assert run.wait(timeout=120) == 130
+    try:
+        code = run.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGABRT)
+        run.wait(timeout=30)
+        pytest.fail(f"still running 120 s after {stop.name}: {stderr.read_text()[-6000:]}")
+    assert code == 130
     step = torch.load(train.state_path(str(out)))["step"]
     said = stderr.read_text()
     assert said.splitlines()[-1] == (
