@@ -403,11 +403,14 @@ def report(args, curves, histories):
     print(f"\nto held-out exact accuracy {args.target}:")
     reached = {name: to_target(runs, args.target) for name, runs in curves.items()}
     on_policy = band(curves["sync-batch"], -1, "accuracy")
-    base = reached["sync-batch"]
-    # each seed's own: its runs share a machine, whose speed may not be the other seeds'
-    own = [to_target([points], args.target) for points in curves["sync-batch"]]
+    # each seed's own (step, seconds) at the target: its runs share a machine, whose speed may not
+    # be the other seeds'
+    each = {
+        name: [to_target([points], args.target) for points in runs] for name, runs in curves.items()
+    }
+    bases = reached["sync-batch"], each["sync-batch"]
     for name, runs in curves.items():
-        print(verdict(name, runs, on_policy, reached[name], (base, own), args.target))
+        print(verdict(name, runs, on_policy, (reached[name], each[name]), bases))
     draw(curves, args)
     draw_headline(curves, args, reached)
 
@@ -502,19 +505,19 @@ def against_trl(path, histories):
     return line + f"; ours one step stale (in-flight K=1) {spread(ours)}: {ratio:.2f}x TRL's"
 
 
-def verdict(name, runs, on_policy, reached, bases, target):
+def verdict(name, runs, on_policy, at_target, bases):
     """The schedule's line: its last accuracy against the on-policy band, each seed's seconds to
     the target (at its own first evaluation at or above it), the median curve's speed-up to the
-    target over sync-batch's, and each seed's over the same seed's sync-batch (`bases`: the median
-    curve's (step, seconds) at the target and each seed's, None where not reached)."""
-    base, own = bases
+    target over sync-batch's, and each seed's over the same seed's sync-batch. `at_target` and
+    `bases` (sync-batch's): the median curve's (step, seconds) at the target and each seed's, None
+    where not reached."""
+    (reached, each), (base, own) = at_target, bases
     last = band(runs, -1, "accuracy")
     line = f"{name}: step {runs[0][-1].step} accuracy {last.show()}"
     if name != "sync-batch":
         inside = on_policy.low <= last.median <= on_policy.high
         where = "inside" if inside else "outside"
         line += f", {where} the on-policy band {on_policy.low:.3f}-{on_policy.high:.3f}"
-    each = [to_target([points], target) for points in runs]
     hit = [seconds for _, seconds in filter(None, each)]
     line += f"; {len(hit)} of {len(each)} seeds reach the target"
     if hit:
