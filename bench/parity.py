@@ -18,9 +18,10 @@ sooner? Held-out exact accuracy of every schedule over seeds, against steps and 
     python3 bench/parity.py --device cuda --seeds 2 --first-seed 1    # seed 1's runs only
     python3 bench/parity.py --device cuda --seeds 3 --reuse --out runs/all-seeds
     # the H100 runs behind docs/results.md, as the report reads them (docs/data/: a seed a file)
-    mkdir -p runs/h100 && for f in docs/data/parity-h100-*.tgz; do
+    mkdir -p runs/h100 && for f in docs/data/parity-h100-seed[012].tgz; do
         tar xzf $f -C runs/h100 --strip-components=1; done
-    .venv/bin/python bench/parity.py --device cuda --reuse --out runs/h100 --seeds 1
+    .venv/bin/python bench/parity.py --device cuda --warm-start-steps 350 --reuse --out runs/h100 \
+        --seeds 3
     # TRL colocate's seconds per step on the same workload beside ours (bench/trl_gpu.py's output;
     # docs/data/trl-gpu-chat-sums-h100.tgz holds an H100's runs: their --out folders)
     python3 bench/trl_gpu.py --task chat-sums --warm-start-steps 350 --layouts trl-colocate \
