@@ -302,8 +302,10 @@ def openai_request(engine, state, body, chat) -> tuple:
         # as long as the model allows
         max_tokens = max(1, state.flags.max_model_len - len(prompt))
     else:
-        # one prompt: a string or token ids
-        [prompt] = parse_prompts({"prompts": [body.get("prompt")]}, state)
+        prompt = body.get("prompt")
+        # one prompt: a string or token ids, alone or as OpenAI's batch of one (lm-eval sends that)
+        batch = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
+        [prompt] = parse_prompts({"prompts": prompt if batch else [prompt]}, state)
         prompt = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         # completions: logprobs is the number of alternatives
         top = checked_field(body, "logprobs", int, 0, 0, 20)

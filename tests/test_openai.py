@@ -72,6 +72,18 @@ def test_completions_and_streaming_give_the_same_text(oa, model_name):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_batch_of_one_prompt_is_that_prompt_and_a_batch_of_two_is_a_400(oa, model_name):
+    kwargs = dict(model=model_name, max_tokens=6, seed=5, temperature=1.0)
+    alone = oa.completions.create(prompt="2+3=", **kwargs)
+    for batch in (["2+3="], [alone.prompt_token_ids]):
+        r = oa.completions.create(prompt=batch, **kwargs)
+        assert r.prompt_token_ids == alone.prompt_token_ids
+        assert r.choices[0].token_ids == alone.choices[0].token_ids
+    with pytest.raises(openai.BadRequestError, match="each prompt must be"):
+        oa.completions.create(prompt=["2+3=", "1+1="], **kwargs)
+    assert oa.completions.create(prompt="2+3=", **kwargs).choices[0].token_ids
+
+
 def test_mistakes_are_4xx_in_openai_shape_and_the_server_keeps_serving(oa, model_name):
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(
