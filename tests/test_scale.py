@@ -125,7 +125,9 @@ def test_a_busy_server_stays_live_and_takes_the_update(router, hf):
     succeeds, and every server ends at the new version."""
     model, _ = hf
     plain, data_parallel = router.clients
-    busy = plain.generate(["busy"], max_tokens=1500, ignore_eos=True, is_async=True)
+    # 32 sequences of 1,500 tokens: ~5 s on 2 cores, past the push's 2-s deadline (one sequence
+    # took 1.7 s on a fast machine, and the push went through)
+    busy = plain.generate(["busy"], n=32, max_tokens=1500, ignore_eos=True, is_async=True)
     wait_for_in_flight(plain, seconds=0.1)
     version = router.update_model_params(perturbed(model, seed=8))
     assert router.live == [plain, data_parallel]
@@ -181,7 +183,9 @@ def test_a_server_busy_past_the_deadline_is_a_timeout_not_a_wait_forever(servers
     asks again, with backoff, until its deadline."""
     plain = Client(f"http://127.0.0.1:{servers['plain'][1]['port']}")
     plain.init_communicator(transport="gloo")
-    busy = plain.generate(["busy"], max_tokens=1500, ignore_eos=True, is_async=True)
+    # 32 sequences of 1,500 tokens: ~5 s on 2 cores, past the push's 2-s deadline (one sequence
+    # took 1.7 s on a fast machine, and the push went through)
+    busy = plain.generate(["busy"], n=32, max_tokens=1500, ignore_eos=True, is_async=True)
     wait_for_in_flight(plain, seconds=0.1)
     with pytest.raises(TimeoutError, match="still busy after 2"):
         push_until_done(plain, hf[0], timeout=2)
