@@ -125,8 +125,8 @@ def test_a_busy_server_stays_live_and_takes_the_update(router, hf):
     succeeds, and every server ends at the new version."""
     model, _ = hf
     plain, data_parallel = router.clients
-    # 32 sequences of 1,500 tokens: ~5 s on 2 cores, past the push's 2-s deadline (one sequence
-    # took 1.7 s on a fast machine, and the push went through)
+    # 32 sequences of 1,500 tokens: ~5 s on 2 cores, well past the drain's 1 s (one sequence took
+    # 1.7 s on a fast machine)
     busy = plain.generate(["busy"], n=32, max_tokens=1500, ignore_eos=True, is_async=True)
     wait_for_in_flight(plain, seconds=0.1)
     version = router.update_model_params(perturbed(model, seed=8))
