@@ -119,16 +119,22 @@ def test_a_batch_is_spread_over_the_servers_by_prompts(router):
     assert [r[0].token_ids for r in results] == [r[0].token_ids for r in expected]
 
 
+def keep_busy(client):
+    """A request generating on `client` for ~5 s on 2 cores, past the plain server's drain (1 s)
+    and a push's 2-s deadline: 32 sequences of 1,500 tokens (one sequence took 1.7 s on a fast
+    machine, and a push went through)."""
+    busy = client.generate(["busy"], n=32, max_tokens=1500, ignore_eos=True, is_async=True)
+    wait_for_in_flight(client, seconds=0.1)
+    return busy
+
+
 def test_a_busy_server_stays_live_and_takes_the_update(router, hf):
     """The plain server answers 503 to a push while a request runs there longer than its
     --drain-timeout (1 s): it is up and busy, not lost. The Router asks again until the drain
     succeeds, and every server ends at the new version."""
     model, _ = hf
     plain, data_parallel = router.clients
-    # 32 sequences of 1,500 tokens: ~5 s on 2 cores, well past the drain's 1 s (one sequence took
-    # 1.7 s on a fast machine)
-    busy = plain.generate(["busy"], n=32, max_tokens=1500, ignore_eos=True, is_async=True)
-    wait_for_in_flight(plain, seconds=0.1)
+    busy = keep_busy(plain)
     version = router.update_model_params(perturbed(model, seed=8))
     assert router.live == [plain, data_parallel]
     assert plain.health()["version"] == data_parallel.health()["version"] == version
@@ -183,10 +189,7 @@ def test_a_server_busy_past_the_deadline_is_a_timeout_not_a_wait_forever(servers
     asks again, with backoff, until its deadline."""
     plain = Client(f"http://127.0.0.1:{servers['plain'][1]['port']}")
     plain.init_communicator(transport="gloo")
-    # 32 sequences of 1,500 tokens: ~5 s on 2 cores, past the push's 2-s deadline (one sequence
-    # took 1.7 s on a fast machine, and the push went through)
-    busy = plain.generate(["busy"], n=32, max_tokens=1500, ignore_eos=True, is_async=True)
-    wait_for_in_flight(plain, seconds=0.1)
+    busy = keep_busy(plain)
     with pytest.raises(TimeoutError, match="still busy after 2"):
         push_until_done(plain, hf[0], timeout=2)
     # nothing was sent: the request goes on on the weights it started with
