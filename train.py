@@ -1135,6 +1135,10 @@ def load_model(path, device="cpu"):
     # micro-batches are each of a new length. Off, as vLLM turns it off in every process that
     # imports it (TRL's trainer among them): the other kernels need no plan.
     torch.backends.cuda.enable_cudnn_sdp(False)
+    # a training forward needs no KV cache: transformers would copy every layer's keys and values
+    # into one (without gradient checkpointing, which turns it off), and torch.compile would guard
+    # on each layer's slot of it
+    model.config.get_text_config().use_cache = False
     if getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
         model.set_attn_implementation("eager")
     return model

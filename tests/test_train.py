@@ -181,6 +181,13 @@ def test_train_micro_batch_and_checkpointing_change_memory_not_the_gradient(mode
     assert torch.cosine_similarity(both, whole, dim=0) > 0.99
 
 
+def test_a_training_forward_builds_no_kv_cache(model_path):
+    """load_model turns the KV cache off: a forward without gradient checkpointing would copy every
+    layer's keys and values into one, and torch.compile would guard on each layer's slot of it."""
+    model = train.load_model(model_path)
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).past_key_values is None
+
+
 def test_a_token_budget_packs_longest_first_forwards_up_to_their_padded_size():
     """--train-micro-tokens: each forward pads to at most so many tokens, as many sequences as
     fit; a sequence longer than the budget runs alone; --train-micro-batch caps the count too."""
