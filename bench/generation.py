@@ -8,39 +8,48 @@ memory bandwidth sets, for the default settings and for each of vLLM's levers tr
     .venv/bin/python bench/generation.py --prompts 4 --n 2 --max-tokens 16 --rounds 2
 
 Each lever is one engine, as the server builds it (engine.engine_args) with the lever's
-AsyncEngineArgs fields on top ("seeded requests": the default engine, a seed in every request),
-started alone and stopped before the next. Its step: --prompts
-prompts of --task, rendered as train.py sends them, each sampled --n times at temperature 1 with
-the sampled tokens' logprobs (what a trainer asks), `ignore_eos` so that every completion is
---max-tokens long. One step warms up; --rounds steps are timed. The weights are train.py's
-built-in model of --model-size, untrained: the speed does not depend on them.
+AsyncEngineArgs fields on top ("seeded requests", "no detokenize", "no logprobs": the default
+engine, those SamplingParams fields in every request; without logprobs through vLLM's AsyncLLM
+itself, a measure of what the trainer's logprobs cost), started alone and stopped before the
+next. Its step: --prompts prompts of --task, rendered as train.py sends them, each sampled --n
+times at temperature 1 with the sampled tokens' logprobs (what a trainer asks), `ignore_eos` so
+that every completion is --max-tokens long. One step warms up; --rounds steps are timed. The
+weights are train.py's built-in model of --model-size, untrained: the speed does not depend on
+them.
 
 The bound: each decode step reads every weight once and the KV cache of every sequence running,
 at --bandwidth bytes/s (4.2e12: what the H200 measured; on a CPU, give its own), with sequences
 admitted in waves of the engine's max_num_seqs. Prefill is in the measured time and not in the
 bound: the fraction printed is what the engine reaches of the bound, at least.
 
-Printed per lever: the settings vLLM resolved, then `<lever>: <tok/s> (min-max) tok/s, <f> of
-the bound`; last, each lever's speed over the default's where it ran: `<lever>_vs_default=`.
+Printed per lever: the settings vLLM resolved and the requests' fields, then `<lever>: <tok/s>
+(min-max) tok/s, <f> of the bound`, then `<lever>: CPU us per completion token:` each process's
+CPU time over the timed rounds (this one, vLLM's engine core, its workers; a process busy for the
+whole step bounds it, where the bound above does not); last, each lever's speed over the
+default's where it ran: `<lever>_vs_default=`.
 """
 
 import argparse
+import asyncio
 import glob
 import math
 import os
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from server_throughput import SyncEngine  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 import train  # noqa: E402
 from engine import engine_args  # noqa: E402
@@ -71,7 +80,16 @@ LEVERS = {
     "seeded requests": {"seed": 0},
     # as a held-out evaluation on bench/parity.py's server: 1,024 seeded sequences at once
     "max-num-seqs 1024 + seeded requests": {"max_num_seqs": 1024, "seed": 0},
+    # not engine fields either: the completions' text left to the caller (vLLM decodes every
+    # sequence's text, and each sampled token's for its logprob, at every decode step)
+    "no detokenize": {"detokenize": False},
+    # no logprob of the sampled tokens (which a trainer needs: this measures what they cost
+    # vLLM's processes, through AsyncLLM directly, as engine.Engine always asks for them)
+    "no logprobs": {"logprobs": None},
+    "no logprobs + no detokenize": {"logprobs": None, "detokenize": False},
 }
+# SamplingParams fields among the levers' (the rest are AsyncEngineArgs fields)
+REQUEST_FIELDS = ("seed", "detokenize", "logprobs")
 # what a CPU engine can take: no CUDA graphs, no async scheduling
 CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
 
@@ -115,27 +133,57 @@ def bound(prompt_lens, n, max_tokens, max_num_seqs, weights, kv, bandwidth):
     return len(seqs) * max_tokens / seconds
 
 
-def run_lever(name, args, prompts, a, seed=None):
-    """One lever's engine: its resolved settings and the tokens/s of each timed round; `seed`:
-    every request's."""
+def run_lever(name, args, prompts, a, request):
+    """One lever's engine: its resolved settings, the tokens/s of each timed round, and each of
+    its processes' CPU seconds per completion token over those rounds; `request`: SamplingParams
+    fields of every request."""
     # forked engine core and worker where that is safe (engine.Engine: one thread on a CPU)
     engine = SyncEngine(args, fork=True)
+    request = {"seed": None, "logprobs": 0, "detokenize": True} | request
     params = SamplingParams(
-        n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0, seed=seed
+        n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, **request
     )
+    # with the sampled tokens' logprobs, as a trainer asks: the server's path
+    generate = engine.generate if request["logprobs"] is not None else bare(engine)
     try:
-        settings = resolved(engine.engine) | {"seeded": seed is not None}
+        settings = resolved(engine.engine) | request
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
-        engine.generate(prompts, params)  # warm-up
-        rates = []
+        generate(prompts, params)  # warm-up
+        processes = [psutil.Process()] + psutil.Process().children(recursive=True)
+        cpu = [sum(p.cpu_times()[:2]) for p in processes]
+        rates, tokens = [], 0
         for _ in range(a.rounds):
             start = time.perf_counter()
-            results = engine.generate(prompts, params)
-            tokens = sum(len(c.token_ids) for group in results for c in group)
-            rates.append(tokens / (time.perf_counter() - start))
+            results = generate(prompts, params)
+            count = sum(len(c.token_ids) for group in results for c in group)
+            rates.append(count / (time.perf_counter() - start))
+            tokens += count
+        used = [sum(p.cpu_times()[:2]) - then for p, then in zip(processes, cpu)]
+        # this one runs AsyncLLM's output handling; its children: vLLM's engine core, workers
+        per_token = {}
+        for i, (p, s) in enumerate(zip(processes, used)):
+            label = "this process" if i == 0 else p.name()
+            per_token[label] = per_token.get(label, 0.0) + s / tokens
     finally:
         engine.shutdown()
-    return settings, rates
+    return settings, rates, per_token
+
+
+def bare(engine):
+    """generate(prompts, params) on `engine`'s vLLM AsyncLLM itself: [[CompletionOutput]]."""
+    llm = engine.engine.llm
+    final = RequestOutputKind.FINAL_ONLY
+
+    async def one(prompt, params):
+        stream = llm.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex)
+        return [out async for out in stream][-1].outputs
+
+    async def all_of(prompts, params):
+        params = params.clone()
+        params.output_kind = final
+        return await asyncio.gather(*(one(p, params) for p in prompts))
+
+    return lambda prompts, params: engine._run(all_of(prompts, params), timeout=600.0)
 
 
 def parse_args():
@@ -186,10 +234,11 @@ def main():
     speeds = {}
     for name in a.levers:
         flags = {"dtype": dtype, **LEVERS[name]}
-        seed = flags.pop("seed", None)
+        request = {k: flags.pop(k) for k in REQUEST_FIELDS if k in flags}
         if gpu:
             flags["gpu_memory_utilization"] = a.gpu_memory_utilization
-        settings, rates = run_lever(name, engine_args(model, **flags), prompts, a, seed)
+        args = engine_args(model, **flags)
+        settings, rates, per_token = run_lever(name, args, prompts, a, request)
         ceiling = bound(
             list(map(len, prompts)),
             a.n,
@@ -205,6 +254,9 @@ def main():
             f"{speeds[name] / ceiling:.3g} of the bound ({ceiling:.0f} tok/s)",
             flush=True,
         )
+        # a process busy for the whole step is what bounds it
+        host = ", ".join(f"{p} {s * 1e6:.1f}" for p, s in per_token.items())
+        print(f"{name}: CPU us per completion token: {host}", flush=True)
     for name, speed in speeds.items():
         if "default" in speeds and name != "default":
             print(f"{name.replace(' ', '_')}_vs_default={speed / speeds['default']:.3f}")

@@ -318,15 +318,23 @@ def test_the_generation_bench_prints_a_levers_speed_and_its_share_of_the_bandwid
     # (100 bytes) 4 times and 10+0 ... 10+3 tokens of KV (1 byte a token); 1 byte/s
     assert bound([10], 2, 4, 1, weights=100, kv=1, bandwidth=1) == 8 / (2 * (400 + 46))
     command = [sys.executable, os.path.join(ROOT, "bench", "generation.py"), "--prompts", "4"]
-    levers = "max-num-seqs 256,seeded requests"
+    levers = "max-num-seqs 256,no logprobs + no detokenize"
     command += ["--n", "2", "--max-tokens", "16", "--rounds", "2", "--levers", levers]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert re.search(r"^max-num-seqs 256: max_num_seqs 256, .*seeded False$", run.stdout, re.M)
-    # a sampling lever: each request carries a seed
-    assert re.search(r"^seeded requests: max_num_seqs \d+, .*seeded True$", run.stdout, re.M)
-    assert any(x.startswith("seeded requests: ") and "tok/s" in x for x in lines)
+    request = "seed None, logprobs 0, detokenize True"
+    assert re.search(rf"^max-num-seqs 256: max_num_seqs 256, .*{request}$", run.stdout, re.M)
+    # sampling levers: what each request asks for (here through vLLM's AsyncLLM itself)
+    lever = re.escape("no logprobs + no detokenize: ")
+    request = "seed None, logprobs None, detokenize False"
+    assert re.search(rf"^{lever}max_num_seqs \d+, .*{request}$", run.stdout, re.M)
+    assert any(x.startswith("no logprobs + no detokenize: ") and "tok/s" in x for x in lines)
+    # where the host's time went: each process's CPU time per completion token, this one's and
+    # the engine core's at least
+    [host] = [x for x in lines if x.startswith("max-num-seqs 256: CPU us per completion token: ")]
+    per_token = [float(v) for v in re.findall(r" ([\d.]+)(?:,|$)", host)]
+    assert len(per_token) >= 2 and sum(per_token) > 0, host
     [speed] = [x for x in lines if x.startswith("max-num-seqs 256: ") and "tok/s" in x]
     found = re.fullmatch(
         r"max-num-seqs 256: (\d+) \((\d+)-(\d+)\) tok/s, ([\d.e+-]+) of the bound \(\d+ tok/s\)",
