@@ -10,12 +10,12 @@ memory bandwidth sets, for the default settings and for each of vLLM's levers tr
 Each lever is one engine, as the server builds it (engine.engine_args) with the lever's
 AsyncEngineArgs fields on top ("seeded requests", "no detokenize", "no logprobs": the default
 engine, those SamplingParams fields in every request; without logprobs through vLLM's AsyncLLM
-itself, a measure of what the trainer's logprobs cost), started alone and stopped before the
-next. Its step: --prompts prompts of --task, rendered as train.py sends them, each sampled --n
-times at temperature 1 with the sampled tokens' logprobs (what a trainer asks), `ignore_eos` so
-that every completion is --max-tokens long. One step warms up; --rounds steps are timed. The
-weights are train.py's built-in model of --model-size, untrained: the speed does not depend on
-them.
+itself, a measure of what the trainer's logprobs cost), started alone and stopped before the next;
+levers in a row that differ only in their requests' fields share one engine. Its step: --prompts
+prompts of --task, rendered as train.py sends them, each sampled --n times at temperature 1 with the
+sampled tokens' logprobs (what a trainer asks), `ignore_eos` so that every completion is
+--max-tokens long. One step warms up; --rounds steps are timed. The weights are train.py's built-in
+model of --model-size, untrained: the speed does not depend on them.
 
 The bound: each decode step reads every weight once and the KV cache of every sequence running,
 at --bandwidth bytes/s (4.2e12: what the H200 measured; on a CPU, give its own), with sequences
@@ -133,39 +133,34 @@ def bound(prompt_lens, n, max_tokens, max_num_seqs, weights, kv, bandwidth):
     return len(seqs) * max_tokens / seconds
 
 
-def run_lever(name, args, prompts, a, request):
-    """One lever's engine: its resolved settings, the tokens/s of each timed round, and each of
-    its processes' CPU seconds per completion token over those rounds; `request`: SamplingParams
-    fields of every request."""
-    # forked engine core and worker where that is safe (engine.Engine: one thread on a CPU)
-    engine = SyncEngine(args, fork=True)
+def run_lever(name, engine, prompts, a, request):
+    """One lever on `engine`: the settings vLLM resolved, the tokens/s of each timed round, and
+    each of its processes' CPU seconds per completion token over those rounds; `request`:
+    SamplingParams fields of every request."""
     request = {"seed": None, "logprobs": 0, "detokenize": True} | request
     params = SamplingParams(
         n=a.n, max_tokens=a.max_tokens, temperature=1.0, ignore_eos=True, **request
     )
     # with the sampled tokens' logprobs, as a trainer asks: the server's path
     generate = engine.generate if request["logprobs"] is not None else bare(engine)
-    try:
-        settings = resolved(engine.engine) | request
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
-        generate(prompts, params)  # warm-up
-        processes = [psutil.Process()] + psutil.Process().children(recursive=True)
-        cpu = [sum(p.cpu_times()[:2]) for p in processes]
-        rates, tokens = [], 0
-        for _ in range(a.rounds):
-            start = time.perf_counter()
-            results = generate(prompts, params)
-            count = sum(len(c.token_ids) for group in results for c in group)
-            rates.append(count / (time.perf_counter() - start))
-            tokens += count
-        used = [sum(p.cpu_times()[:2]) - then for p, then in zip(processes, cpu)]
-        # this one runs AsyncLLM's output handling; its children: vLLM's engine core, workers
-        per_token = {}
-        for i, (p, s) in enumerate(zip(processes, used)):
-            label = "this process" if i == 0 else p.name()
-            per_token[label] = per_token.get(label, 0.0) + s / tokens
-    finally:
-        engine.shutdown()
+    settings = resolved(engine.engine) | request
+    print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
+    generate(prompts, params)  # warm-up
+    processes = [psutil.Process()] + psutil.Process().children(recursive=True)
+    cpu = [sum(p.cpu_times()[:2]) for p in processes]
+    rates, tokens = [], 0
+    for _ in range(a.rounds):
+        start = time.perf_counter()
+        results = generate(prompts, params)
+        count = sum(len(c.token_ids) for group in results for c in group)
+        rates.append(count / (time.perf_counter() - start))
+        tokens += count
+    used = [sum(p.cpu_times()[:2]) - then for p, then in zip(processes, cpu)]
+    # this one runs AsyncLLM's output handling; its children: vLLM's engine core, workers
+    per_token = {}
+    for i, (p, s) in enumerate(zip(processes, used)):
+        label = "this process" if i == 0 else p.name()
+        per_token[label] = per_token.get(label, 0.0) + s / tokens
     return settings, rates, per_token
 
 
@@ -231,32 +226,34 @@ def main():
         f" ({weights / 2**20:.1f} MiB of weights, {kv} bytes of KV a token), {a.rounds} rounds",
         flush=True,
     )
-    speeds = {}
-    for name in a.levers:
-        flags = {"dtype": dtype, **LEVERS[name]}
-        request = {k: flags.pop(k) for k in REQUEST_FIELDS if k in flags}
-        if gpu:
-            flags["gpu_memory_utilization"] = a.gpu_memory_utilization
-        args = engine_args(model, **flags)
-        settings, rates, per_token = run_lever(name, args, prompts, a, request)
-        ceiling = bound(
-            list(map(len, prompts)),
-            a.n,
-            a.max_tokens,
-            settings["max_num_seqs"],
-            weights,
-            kv,
-            a.bandwidth,
-        )
-        speeds[name] = statistics.median(rates)
-        print(
-            f"{name}: {speeds[name]:.0f} ({min(rates):.0f}-{max(rates):.0f}) tok/s, "
-            f"{speeds[name] / ceiling:.3g} of the bound ({ceiling:.0f} tok/s)",
-            flush=True,
-        )
-        # a process busy for the whole step is what bounds it
-        host = ", ".join(f"{p} {s * 1e6:.1f}" for p, s in per_token.items())
-        print(f"{name}: CPU us per completion token: {host}", flush=True)
+    speeds, engine, built = {}, None, None
+    try:
+        for name in a.levers:
+            flags = {"dtype": dtype, **LEVERS[name]}
+            request = {k: flags.pop(k) for k in REQUEST_FIELDS if k in flags}
+            if gpu:
+                flags["gpu_memory_utilization"] = a.gpu_memory_utilization
+            # one engine for levers in a row that differ only in their requests' fields; forked
+            # engine core and worker where that is safe (engine.Engine: one thread on a CPU)
+            if flags != built:
+                if engine:
+                    engine.shutdown()
+                engine, built = SyncEngine(engine_args(model, **flags), fork=True), flags
+            settings, rates, per_token = run_lever(name, engine, prompts, a, request)
+            lengths, seqs = list(map(len, prompts)), settings["max_num_seqs"]
+            limit = bound(lengths, a.n, a.max_tokens, seqs, weights, kv, a.bandwidth)
+            speeds[name] = statistics.median(rates)
+            print(
+                f"{name}: {speeds[name]:.0f} ({min(rates):.0f}-{max(rates):.0f}) tok/s, "
+                f"{speeds[name] / limit:.3g} of the bound ({limit:.0f} tok/s)",
+                flush=True,
+            )
+            # a process busy for the whole step is what bounds it
+            host = ", ".join(f"{p} {s * 1e6:.1f}" for p, s in per_token.items())
+            print(f"{name}: CPU us per completion token: {host}", flush=True)
+    finally:
+        if engine:
+            engine.shutdown()
     for name, speed in speeds.items():
         if "default" in speeds and name != "default":
             print(f"{name.replace(' ', '_')}_vs_default={speed / speeds['default']:.3f}")

@@ -18,7 +18,8 @@ prompts.jsonl: the task's rows, a sums prompt as raw text, a chat-sums one as ch
 every side renders with the model's chat template; a raw one as one user message for the async
 trainer, which takes chat messages only), the same reward (the task's); --prompts-per-step
 prompts x --group-size 8 completions of up to --max-tokens tokens, trained in --micro-batches
-micro-batches; fp32 master weights, bf16 autocast, gradient checkpointing, AdamW at --lr, one
+micro-batches; fp32 master weights, bf16 autocast, gradient checkpointing (unless
+--no-checkpointing, on every side), AdamW at --lr, one
 optimizer step per batch, no KL (beta = 0), the loss summed over tokens and divided once by the
 step's completion tokens (TRL's loss_type "dapo"); every vLLM engine in bfloat16 with
 --gpu-memory-utilization, --max-model-len, max_num_seqs = one step's sequences, CUDA graphs
@@ -133,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="every vLLM engine's")
     p.add_argument("--max-model-len", type=int, default=2048, help="every vLLM engine's")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any engine")
+    p.add_argument(
+        "--no-checkpointing", action="store_true", help="every side keeps every activation"
+    )
     p.add_argument(
         "--ours-variants",
         default="in-flight K=1,overlap K=1,overlap,sync-batch",
@@ -329,7 +333,7 @@ def ours_config(a, model, data, device, name, overrides):
         dtype="bfloat16" if device != "cpu" else "float32",
         device=device,
         bf16=device != "cpu",
-        gradient_checkpointing=True,
+        gradient_checkpointing=not a.no_checkpointing,
         # a server that died is not coming back here: fail the run soon
         reconnect_timeout=30.0,
     )
@@ -460,7 +464,7 @@ def grpo_config(a, out, **vllm):
         beta=0.0,
         vllm_importance_sampling_correction=a.trl_is_correction,
         bf16=torch.cuda.is_available(),
-        gradient_checkpointing=True,
+        gradient_checkpointing=not a.no_checkpointing,
         logging_steps=1,
         # no progress bar: step_timer's lines (and the logged metrics) show each step in the log
         disable_tqdm=True,
@@ -664,7 +668,7 @@ def run_trl_async(a, model, data):
             # a weight sync that takes over a minute fails with the server's error (TRL: 30 min)
             weight_sync_timeout=60,
             bf16=torch.cuda.is_available(),
-            gradient_checkpointing=True,
+            gradient_checkpointing=not a.no_checkpointing,
             logging_steps=1,
             disable_tqdm=True,
             report_to="none",
