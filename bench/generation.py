@@ -146,7 +146,8 @@ def run_lever(name, engine, prompts, a, request):
     settings = resolved(engine.engine) | request
     print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
     generate(prompts, params)  # warm-up
-    processes = [psutil.Process()] + psutil.Process().children(recursive=True)
+    this = psutil.Process()
+    processes = [this, *this.children(recursive=True)]
     cpu = [sum(p.cpu_times()[:2]) for p in processes]
     rates, tokens = [], 0
     for _ in range(a.rounds):
@@ -226,6 +227,7 @@ def main():
         f" ({weights / 2**20:.1f} MiB of weights, {kv} bytes of KV a token), {a.rounds} rounds",
         flush=True,
     )
+    lengths = list(map(len, prompts))
     speeds, engine, built = {}, None, None
     try:
         for name in a.levers:
@@ -240,7 +242,7 @@ def main():
                     engine.shutdown()
                 engine, built = SyncEngine(engine_args(model, **flags), fork=True), flags
             settings, rates, per_token = run_lever(name, engine, prompts, a, request)
-            lengths, seqs = list(map(len, prompts)), settings["max_num_seqs"]
+            seqs = settings["max_num_seqs"]
             limit = bound(lengths, a.n, a.max_tokens, seqs, weights, kv, a.bandwidth)
             speeds[name] = statistics.median(rates)
             print(
