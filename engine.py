@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tokenizers.decoders import DecodeStream
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
@@ -179,7 +180,8 @@ class Engine:
             per_prompt = []
             for c in out.outputs:
                 spans = self.labels.spans(c, version, m, lora)
-                per_prompt.append(completion(c, out.prompt_token_ids, params.logprobs, spans))
+                text = decoded_text(self.tokenizer, out.prompt_token_ids, c, params, sampling)
+                per_prompt.append(completion(c, out.prompt_token_ids, text, params.logprobs, spans))
             results.append(per_prompt)
         return results
 
@@ -437,17 +439,39 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
     params.output_kind = RequestOutputKind.FINAL_ONLY
     # 0: the sampled token's logprob alone
     params.logprobs = max(params.logprobs or 0, 0)
+    # in a few lists per completion (FlatLogprobs), not a dict and a Logprob per token
+    params.flat_logprobs = True
+    # vLLM decodes each sequence's text, and each sampled token's for its logprob, at every decode
+    # step: 1.5x slower generation with 512 sequences on an H100 (docs/results.md). The text is
+    # decoded once at the end instead (decoded_text), unless a stop string, top logprobs or
+    # spaces left out between special tokens need vLLM's own detokenizer as it goes
+    params.detokenize = params.detokenize and bool(
+        params.stop or params.logprobs or not params.spaces_between_special_tokens
+    )
     return params
 
 
-def completion(c, prompt, k, spans) -> Completion:
+def decoded_text(tokenizer, prompt, c, params, sampling) -> str:
+    """The text of vLLM's CompletionOutput `c` of `prompt`: vLLM's where it decoded it (`sampling`:
+    final_output_params'), else decoded here as vLLM 0.26 and 0.32 decode it as they go (tokenizers'
+    DecodeStream primed with the prompt; the token that stopped `c` left out)."""
+    if sampling.detokenize or not params.detokenize:
+        return c.text
+    ids = list(c.token_ids)
+    if c.finish_reason == "stop" and not params.include_stop_str_in_output:
+        ids = ids[:-1]
+    stream = DecodeStream(ids=prompt, skip_special_tokens=params.skip_special_tokens)
+    return "".join(filter(None, (stream.step(tokenizer._tokenizer, t) for t in ids)))
+
+
+def completion(c, prompt, text, k, spans) -> Completion:
     """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), with `k` top
     logprobs per token and its version `spans` (VersionLabels.spans)."""
     return Completion(
-        text=c.text,
+        text=text,
         token_ids=list(c.token_ids),
-        # the sampled token's, at each position
-        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+        # FlatLogprobs: each position's entries begin at its start index, the sampled token's first
+        logprobs=[c.logprobs.logprobs[i] for i in c.logprobs.start_indices],
         finish_reason=c.finish_reason,
         version=spans[0][0],
         top_logprobs=top_logprobs(c.logprobs, k),
@@ -531,6 +555,7 @@ def top_logprobs(logprobs, k):
     logprob}]."""
     if not k:
         return None
+    # FlatLogprobs yields each position's {token id: Logprob}
     ranked = [sorted(lp.values(), key=lambda x: x.rank)[:k] for lp in logprobs]
     return [[{"token": x.decoded_token, "logprob": x.logprob} for x in top] for top in ranked]
 

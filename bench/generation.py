@@ -8,7 +8,7 @@ memory bandwidth sets, for the default settings and for each of vLLM's levers tr
     .venv/bin/python bench/generation.py --prompts 4 --n 2 --max-tokens 16 --rounds 2
 
 Each lever is one engine, as the server builds it (engine.engine_args) with the lever's
-AsyncEngineArgs fields on top ("seeded requests", "no detokenize", "no logprobs": the default
+AsyncEngineArgs fields on top ("seeded requests", "vLLM's detokenizer", "no logprobs": the default
 engine, those SamplingParams fields in every request; without logprobs through vLLM's AsyncLLM
 itself, a measure of what the trainer's logprobs cost), started alone and stopped before the next;
 levers in a row that differ only in their requests' fields share one engine. Its step: --prompts
@@ -80,16 +80,17 @@ LEVERS = {
     "seeded requests": {"seed": 0},
     # as a held-out evaluation on bench/parity.py's server: 1,024 seeded sequences at once
     "max-num-seqs 1024 + seeded requests": {"max_num_seqs": 1024, "seed": 0},
-    # not engine fields either: the completions' text left to the caller (vLLM decodes every
-    # sequence's text, and each sampled token's for its logprob, at every decode step)
-    "no detokenize": {"detokenize": False},
+    # not an engine field either: a stop string (that never matches) has vLLM decode every
+    # sequence's text, and each sampled token's for its logprob, at every decode step, as the
+    # engine did before it decoded the text once at the end (engine.final_output_params)
+    "vLLM's detokenizer": {"stop": ["\x00never\x00"]},
     # no logprob of the sampled tokens (which a trainer needs: this measures what they cost
     # vLLM's processes, through AsyncLLM directly, as engine.Engine always asks for them)
     "no logprobs": {"logprobs": None},
     "no logprobs + no detokenize": {"logprobs": None, "detokenize": False},
 }
 # SamplingParams fields among the levers' (the rest are AsyncEngineArgs fields)
-REQUEST_FIELDS = ("seed", "detokenize", "logprobs")
+REQUEST_FIELDS = ("seed", "detokenize", "logprobs", "stop")
 # what a CPU engine can take: no CUDA graphs, no async scheduling
 CPU_LEVERS = ("default", "no prefix caching", "max-num-seqs 256")
 

@@ -82,6 +82,8 @@ def test_n_completions_each_with_token_ids_and_logprobs(client):
 
 
 def test_server_matches_synchronous_vllm(client, model_path, monkeypatch):
+    """The same tokens and text as vLLM's LLM, which decodes the text as it samples where the
+    server decodes it once at the end (engine.decoded_text): with and without the stop token."""
     from vllm import LLM, SamplingParams
 
     # the engine core and its worker in this process: no process imports vLLM again (8 s, not 21)
@@ -91,6 +93,9 @@ def test_server_matches_synchronous_vllm(client, model_path, monkeypatch):
     cases = [
         dict(temperature=0.0, max_tokens=24),
         dict(temperature=1.0, top_p=0.9, max_tokens=24, seed=123, n=4),
+        # five tokens of the vocabulary stop a sample: some stop on one, left out of the text
+        dict(max_tokens=24, seed=5, n=8, stop_token_ids=list(range(40, 45))),
+        dict(max_tokens=24, seed=5, n=8, stop_token_ids=[40], include_stop_str_in_output=True),
     ]
     served = [client.generate(prompts, **case) for case in cases]
     llm = LLM(
@@ -107,6 +112,8 @@ def test_server_matches_synchronous_vllm(client, model_path, monkeypatch):
             for ours, ref in zip(results, reference):
                 assert [c.token_ids for c in ours] == [list(r.token_ids) for r in ref.outputs], case
                 assert [c.text for c in ours] == [r.text for r in ref.outputs], case
+        stops = [c.finish_reason for group in served[2] for c in group]
+        assert 0 < stops.count("stop") < len(stops)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
