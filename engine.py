@@ -454,7 +454,8 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
 def decoded_text(tokenizer, prompt, c, params, sampling) -> str:
     """The text of vLLM's CompletionOutput `c` of `prompt`: vLLM's where it decoded it (`sampling`:
     final_output_params'), else decoded here as vLLM 0.26 and 0.32 decode it as they go (tokenizers'
-    DecodeStream primed with the prompt; the token that stopped `c` left out)."""
+    DecodeStream primed with the prompt; the token that stopped `c` left out): the contract is in
+    docs/internals.md#a-completions-text."""
     if sampling.detokenize or not params.detokenize:
         return c.text
     ids = list(c.token_ids)
