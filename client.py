@@ -110,9 +110,6 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
     peer that cannot reach us fails here, not in an update. NCCL makes its communicator on the GPU
     of the first tensor, so each rank sends that one from its own GPU, `device`."""
     timeout = timedelta(seconds=weight_sync_timeout)
-    # the trainer's store listens on `host` alone (TCPStore would bind every interface): whoever
-    # reaches it could take a rank and receive every pushed weight
-    listening = store_socket(host, port).detach() if rank == 0 else None
     store = dist.TCPStore(
         host,
         port,
@@ -120,7 +117,9 @@ def weight_group(transport, host, port, rank, world_size, weight_sync_timeout, d
         is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
-        master_listen_fd=listening,
+        # the trainer's store listens on `host` alone (TCPStore would bind every interface):
+        # whoever reaches it could take a rank and receive every pushed weight
+        master_listen_fd=store_socket(host, port).detach() if rank == 0 else None,
     )
     if transport == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -154,8 +153,7 @@ def wait_broadcast(work, tensor, weight_sync_timeout):
     for the stream, and we for the thread, within the timeout: no polling."""
     work.wait()
     if tensor.is_cuda:
-        arrived = torch.cuda.Event()
-        arrived.record(torch.cuda.current_stream(tensor.device))
+        arrived = torch.cuda.current_stream(tensor.device).record_event()
         waiter = threading.Thread(target=arrived.synchronize, daemon=True)
         waiter.start()
         waiter.join(weight_sync_timeout)
@@ -467,8 +465,7 @@ class Client(AbortsOnError):
         waiting at most 30 s (or the client's timeout, if shorter) for the answer."""
         self.pending.pop(request_id, None)
         try:
-            timeout = min(30.0, self.timeout)
-            self._request("POST", "/abort", {"request_id": request_id}, timeout=timeout)
+            self._request("POST", "/abort", {"request_id": request_id}, min(30.0, self.timeout))
         except ServerError as e:
             if e.status != 404:  # 404: it finished and was fetched, or expired, meanwhile
                 raise
@@ -538,8 +535,7 @@ class Client(AbortsOnError):
         while remaining:
             for request_id, result, timing in self._collect(list(remaining), timeout, every=True):
                 future = remaining.pop(request_id)
-                future.timing = timing
-                future.fetched = result
+                future.fetched, future.timing = result, timing
                 yield future, result
 
     def _collect(self, request_ids, timeout=None, every=False):

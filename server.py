@@ -17,7 +17,6 @@ import base64
 import functools
 import hashlib
 import hmac
-import itertools
 import json
 import math
 import os
@@ -458,9 +457,8 @@ async def generate_route(request):
     # (the body a request is found by, its prompts)
     bodies = [({**body, "prompts": [p]}, [p]) for p in prompts] if split else [(body, prompts)]
     nbytes = await check_room(request, len(bodies))
-    priority = body.get("priority", 0)
     ids = [
-        add_request(app, one, run_completions, work, params, priority, nbytes=nbytes)
+        add_request(app, one, run_completions, work, params, body.get("priority", 0), nbytes=nbytes)
         for one, work in bodies
     ]
     return web.json_response({"request_ids": ids} if split else {"request_id": ids[0]}, status=202)
@@ -520,9 +518,10 @@ def requested_tasks(app, body) -> dict:
         ids = [checked_field(body, "request_id", str)]
     elif "prompts" in body:
         key = args_key(body)
-        # the oldest with these arguments that no other caller is waiting for
+        # the oldest with these arguments that no other caller is waiting for (None: none, dropped
+        # below as a request the server does not hold)
         same = (i for i, (_, k, _) in state.tasks.items() if k == key and i not in state.waiting)
-        ids = list(itertools.islice(same, 1))
+        ids = [next(same, None)]
     else:
         raise ApiError("send 'request_id', 'request_ids', or the arguments of the request")
     tasks = {i: state.tasks[i][0] for i in ids if i in state.tasks}
@@ -752,9 +751,8 @@ def check_bucket(bucket, state, seen):
 def check_handle(handle, transport, size):
     """With ipc a bucket carries the handle of the trainer's buffer of `size` bytes (IPC_HANDLE);
     with nccl and gloo none."""
-    if transport != "ipc":
-        well_formed = handle is None
-    else:
+    well_formed = handle is None
+    if transport == "ipc":
         named = isinstance(handle, dict) and set(handle) == set(IPC_HANDLE)
         well_formed = named and all(isinstance(handle[k], t) for k, t in IPC_HANDLE.items())
     if not well_formed:
@@ -1148,8 +1146,7 @@ def make_app(args, flags) -> web.Application:
     app[STATE] = state = State(flags)
 
     async def engine_ctx(app):
-        engine = Engine(args, fork=True)
-        app[ENGINE] = engine
+        app[ENGINE] = engine = Engine(args, fork=True)
         try:
             # /health answers only once the engine has generated
             await engine.warm_up()

@@ -209,8 +209,7 @@ def parse_config(argv=None) -> Config:
         # no defaults here: a flag not given is absent (a resumed run's checkpoint has it)
         # (a task may set its own: TASKS' defaults)
         text = f"{f.metadata['help']} (default: {f.default!r})"
-        options |= {"default": argparse.SUPPRESS, "help": text}
-        parser.add_argument(as_flag(f.name), **options)
+        parser.add_argument(as_flag(f.name), default=argparse.SUPPRESS, help=text, **options)
     try:
         given = parse_flags(parser, argv)
         if "config" in given:
@@ -647,34 +646,31 @@ def to_sample(row, output, rewards) -> Sample:
     # Client.session's episode is None when the calls do not continue one another token for token
     if output is None:
         raise ValueError("no episode (None): the session's calls did not merge (see its 'reason')")
-    if isinstance(output, Episode):
-        # an episode merged from a session has no spans: its first turn's version
-        spans = output.versions or [[output.turns[0]["version"], 0]]
-        return Sample(
-            ids=output.token_ids,
-            mask=output.loss_mask,
-            logprobs=output.logprobs,
-            versions=per_token(spans, 0, len(output.token_ids)),
-            **rewards(output.turns[-1]["text"], row),
-            truncated=output.finish_reason == "length",
-            tool_calls=len(output.tool_calls),
-            tool_errors=sum(call["result"].startswith("error") for call in output.tool_calls),
-        )
-    prompt = output.prompt_token_ids
+    if not isinstance(output, Episode):
+        # a Completion as an episode of one turn, built as RolloutEngine.episode builds each turn
+        completion, output = output, Episode(finish_reason=output.finish_reason, versions=[])
+        output.append(completion.prompt_token_ids, None)
+        output.versions += [[v, len(output.token_ids) + start] for v, start in completion.versions]
+        output.append(completion.token_ids, completion.logprobs)
+        output.turns.append(dict(text=completion.text, version=completion.version))
+    # an episode merged from a session has no spans: its first turn's version
+    spans = output.versions or [[output.turns[0]["version"], 0]]
     return Sample(
-        ids=prompt + output.token_ids,
-        mask=[0] * len(prompt) + [1] * len(output.token_ids),
-        logprobs=[None] * len(prompt) + output.logprobs,
-        versions=per_token(output.versions, len(prompt), len(prompt) + len(output.token_ids)),
-        **rewards(output.text, row),
+        ids=output.token_ids,
+        mask=output.loss_mask,
+        logprobs=output.logprobs,
+        versions=per_token(spans, len(output.token_ids)),
+        **rewards(output.turns[-1]["text"], row),
         truncated=output.finish_reason == "length",
+        tool_calls=len(output.tool_calls),
+        tool_errors=sum(call["result"].startswith("error") for call in output.tool_calls),
     )
 
 
-def per_token(spans, offset, length):
-    """The version of each of `length` tokens, from [[version, first token]] spans that count from
-    `offset` (tokens before it, never trained on, take the first version)."""
-    starts = [0] + [offset + start for _, start in spans[1:]] + [length]
+def per_token(spans, length):
+    """The version of each of `length` tokens, from [[version, first token]] spans (tokens before
+    the first span, a prompt's, never trained on, take its version)."""
+    starts = [0] + [start for _, start in spans[1:]] + [length]
     versions = []
     for (version, _), start, end in zip(spans, starts, starts[1:]):
         versions += [version] * (end - start)
@@ -690,8 +686,7 @@ def group_advantages(rewards: torch.Tensor, scale="group") -> torch.Tensor:
     elif scale == "batch":
         advantages /= rewards.std() + 1e-4
     # all equal: exactly 0 (the mean of eight 1/3s would leave ~3e-4), so `backward` skips them
-    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(equal, 0.0, advantages)
+    return torch.where((rewards == rewards[:, :1]).all(dim=1, keepdim=True), 0.0, advantages)
 
 
 class Policy:
@@ -779,9 +774,8 @@ def forwards(samples, advantages, cfg, measure_all=False, skip=True):
     # with `measure_all`, a forward of the skipped samples too, apart and without gradient: the
     # statistics cover them, and the gradient is the one of the samples trained on, bit for bit
     for chosen, grad in ((trained, True), (~trained & measure_all, False)):
-        index = chosen.nonzero().flatten()
         # longest first: a forward pads its sequences to the longest, so like lengths go together
-        index = sorted(index.tolist(), key=lambda i: -len(samples[i].ids))
+        index = sorted(chosen.nonzero().flatten().tolist(), key=lambda i: -len(samples[i].ids))
         part = []
         for j in index:
             # a forward of longest-first sequences pads them all to its first one's length
@@ -811,8 +805,7 @@ def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) 
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap, cfg.loss_type)
     if grad:
         loss.backward()
-    deltas = (logprobs.detach() - old)[~stale & sampled]
-    return Backward(w[stale & sampled], deltas, loss.item())
+    return Backward(w[stale & sampled], (logprobs.detach() - old)[~stale & sampled], loss.item())
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
@@ -850,8 +843,7 @@ def token_logprobs(model, batch, temperature=1.0, chunk_tokens=2048):
     targets = ids[:, 1:].reshape(-1)[keep]
     out = output_logprobs(model, hidden, targets, temperature, chunk_tokens)
     # each kept position's logprob in its place, 0 elsewhere
-    logprobs = torch.zeros(keep.shape, device=keep.device).masked_scatter(keep, out)
-    return logprobs.view(len(ids), -1).cpu()
+    return out.new_zeros(keep.shape).masked_scatter(keep, out).view(len(ids), -1).cpu()
 
 
 def output_logprobs(model, hidden, targets, temperature=1.0, chunk_tokens=2048):
@@ -1334,8 +1326,7 @@ def load_rows(name, cfg) -> list[dict]:
     if os.path.isdir(name):
         data = datasets.load_from_disk(name)
     elif name.endswith(tuple(LOADERS)):
-        loader = LOADERS[os.path.splitext(name)[1]]
-        data = datasets.load_dataset(loader, data_files=name, split="train")
+        data = datasets.load_dataset(LOADERS[Path(name).suffix], data_files=name, split="train")
     else:
         path, _, config = name.partition(":")
         data = datasets.load_dataset(path, config or None, split=cfg.dataset_split)
@@ -1475,12 +1466,10 @@ def sample_held_out(client, rows, cfg):
     sampling = {"temperature": cfg.temperature} if cfg.temperature > 0 else greedy
     sampling |= {"n": cfg.eval_n, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
     futures = submit_prompts(client, rows, cfg, **sampling)
-    results = {}
     completed = client.as_completed(futures)
-    bar = tqdm(completed, desc="held-out", total=len(futures), leave=False, disable=None)
-    for future, [samples] in bar:
-        results[future.request_id] = samples
-    return [results[future.request_id] for future in futures]
+    # {future: its result}, as they finish
+    results = dict(tqdm(completed, desc="held-out", total=len(futures), leave=False, disable=None))
+    return [results[future][0] for future in futures]
 
 
 def eval_metrics(groups, ks):
