@@ -439,15 +439,11 @@ def final_output_params(params: SamplingParams) -> SamplingParams:
     params.output_kind = RequestOutputKind.FINAL_ONLY
     # 0: the sampled token's logprob alone
     params.logprobs = max(params.logprobs or 0, 0)
-    # in a few lists per completion (FlatLogprobs), not a dict and a Logprob per token
-    params.flat_logprobs = True
     # vLLM decodes each sequence's text, and each sampled token's for its logprob, at every decode
     # step: 1.5x slower generation with 512 sequences on an H100 (docs/results.md). The text is
-    # decoded once at the end instead (decoded_text), unless a stop string, top logprobs or
-    # spaces left out between special tokens need vLLM's own detokenizer as it goes
-    params.detokenize = params.detokenize and bool(
-        params.stop or params.logprobs or not params.spaces_between_special_tokens
-    )
+    # decoded once at the end instead (decoded_text), unless a stop string or top logprobs need
+    # vLLM's own detokenizer as it goes
+    params.detokenize = params.detokenize and bool(params.stop or params.logprobs)
     return params
 
 
@@ -458,9 +454,9 @@ def decoded_text(tokenizer, prompt, c, params, sampling) -> str:
     docs/internals.md#a-completions-text."""
     if sampling.detokenize or not params.detokenize:
         return c.text
-    ids = list(c.token_ids)
-    if c.finish_reason == "stop" and not params.include_stop_str_in_output:
-        ids = ids[:-1]
+    # the token that stopped it (EOS, one of stop_token_ids) is not in vLLM's text: 1 to leave out
+    stopped = c.finish_reason == "stop" and not params.include_stop_str_in_output
+    ids = c.token_ids[: len(c.token_ids) - stopped]
     stream = DecodeStream(ids=prompt, skip_special_tokens=params.skip_special_tokens)
     return "".join(filter(None, (stream.step(tokenizer._tokenizer, t) for t in ids)))
 
@@ -471,8 +467,8 @@ def completion(c, prompt, text, k, spans) -> Completion:
     return Completion(
         text=text,
         token_ids=list(c.token_ids),
-        # FlatLogprobs: each position's entries begin at its start index, the sampled token's first
-        logprobs=[c.logprobs.logprobs[i] for i in c.logprobs.start_indices],
+        # the sampled token's, at each position
+        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
         finish_reason=c.finish_reason,
         version=spans[0][0],
         top_logprobs=top_logprobs(c.logprobs, k),
@@ -556,7 +552,6 @@ def top_logprobs(logprobs, k):
     logprob}]."""
     if not k:
         return None
-    # FlatLogprobs yields each position's {token id: Logprob}
     ranked = [sorted(lp.values(), key=lambda x: x.rank)[:k] for lp in logprobs]
     return [[{"token": x.decoded_token, "logprob": x.logprob} for x in top] for top in ranked]
 

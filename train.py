@@ -156,13 +156,6 @@ class Config:
                 raise ValueError(f"{f.name} must be >= {least}")
         if self.prompts_per_step % self.micro_batches:
             raise ValueError("prompts_per_step must be divisible by micro_batches")
-        # torchrun's
-        ranks = int(os.environ.get("WORLD_SIZE", 1))
-        if self.prompts_per_step // self.micro_batches % ranks or (self.resume and ranks > 1):
-            raise ValueError(
-                "under torchrun each micro-batch's prompts must divide among the ranks, and "
-                "--resume runs in one process only (the optimizer's state is sharded)"
-            )
         if self.chat_template and not os.path.exists(self.chat_template):
             raise ValueError(f"no chat template file {self.chat_template}")
         if self.resume and not os.path.exists(state_path(self.resume)):
@@ -186,8 +179,14 @@ class Config:
             self.model = os.path.dirname(state_path(self.resume))
         # a LoRA run's checkpoint is an adapter
         self.lora_rank = self.lora_rank or adapter_config(self.model).get("r", 0)
-        if self.lora_rank and ranks > 1:
-            raise ValueError("--lora-rank runs in one process only, not under torchrun (yet)")
+        # torchrun's
+        ranks = int(os.environ.get("WORLD_SIZE", 1))
+        alone = (self.resume or self.lora_rank) and ranks > 1
+        if self.prompts_per_step // self.micro_batches % ranks or alone:
+            raise ValueError(
+                "under torchrun each micro-batch's prompts must divide among the ranks, and "
+                "--resume and --lora-rank run in one process only (sharded optimizer state)"
+            )
 
 
 def parse_config(argv=None) -> Config:
@@ -358,6 +357,23 @@ def checkpoint_on_stop(cfg, policy, tok, rng, sampler):
         gc.unfreeze()
 
 
+@contextlib.contextmanager
+def stops_deferred():
+    """Ctrl-C and SIGTERM (which __main__ makes a Ctrl-C) wait till the block ends, then stop the
+    run: what the block changes is changed whole (Sampler.advance). In the main thread, where
+    Python runs signal handlers (train() runs there)."""
+    held, stops = [], (signal.SIGINT, signal.SIGTERM)
+    handlers = [signal.signal(s, lambda s, _: held.append(s)) for s in stops]
+    try:
+        yield
+    finally:
+        for s, handler in zip(stops, handlers):
+            signal.signal(s, handler)
+    # the first to its own handler again (__main__'s, for both: a KeyboardInterrupt)
+    for s in held[:1]:
+        signal.raise_signal(s)
+
+
 @dataclass
 class QueuedStep:
     """A step's prompts, sampled and not yet trained on; `requests`: submit_rollouts()'s, once
@@ -421,18 +437,20 @@ class Sampler:
     def advance(self, policy, stats, rng, data, step):
         """Step the optimizer on step s's gradient, pop s and queue s+1+K (K = --max-staleness),
         submitted at once for the next version (docs/training.md, "When a step is sampled")."""
-        # the weights and the queue disagree until both are done: a stop between leaves none
-        self.next_step = None
-        with timed(stats.train):
-            stats.divisor = loss_divisor(stats.samples, self.cfg)
-            stats.grad_norm = policy.step(stats.divisor)
-        self.queue.popleft()
-        if step + 1 + self.cfg.max_staleness < self.cfg.steps:
-            # rows sampled already (by a run of a larger K) come first, in their order
-            rows = self.sampled.popleft() if self.sampled else None
-            self.queue.append(QueuedStep(rows or rng.sample(data, self.cfg.prompts_per_step)))
-        # the queue and the weights agree again: a stop from here on leaves the checkpoint of s+1
-        self.next_step = step + 1
+        # the weights and the queue disagree until both are done: a stop waits till then, and an
+        # error between leaves no checkpoint
+        with stops_deferred():
+            self.next_step = None
+            with timed(stats.train):
+                stats.divisor = loss_divisor(stats.samples, self.cfg)
+                stats.grad_norm = policy.step(stats.divisor)
+            self.queue.popleft()
+            if step + 1 + self.cfg.max_staleness < self.cfg.steps:
+                # rows sampled already (by a run of a larger K) come first, in their order
+                rows = self.sampled.popleft() if self.sampled else None
+                self.queue.append(QueuedStep(rows or rng.sample(data, self.cfg.prompts_per_step)))
+            # the queue and the weights agree again: a stop from here leaves the checkpoint of s+1
+            self.next_step = step + 1
         # submitted before the push it waits for; if the server is lost meanwhile, it is
         # reconnected and the next step submits
         self.unless_lost(self.submit_queued, self.version + 1)

@@ -251,6 +251,27 @@ def test_a_run_stopped_by_ctrl_c_or_sigterm_says_in_one_line_where_it_goes_on_an
     assert train.train(resumed, server)[-1]["step"] == step
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_during_the_optimizers_step_waits_for_the_step_and_its_queue(stop):
+    """A Ctrl-C or SIGTERM that lands while Sampler.advance steps the optimizer and moves the
+    queue (stops_deferred's block) stops the run once both are done, with the checkpoint of the
+    next step to leave; the handlers are the run's own again afterwards."""
+    stops = (signal.SIGINT, signal.SIGTERM)
+    # as __main__ sets them: both a KeyboardInterrupt
+    before = [signal.signal(s, signal.default_int_handler) for s in stops]
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt), train.stops_deferred():
+            os.kill(os.getpid(), stop)
+            time.sleep(0.1)  # the handler has run by now, and held the stop
+            done.append("the block's rest")
+        assert done == ["the block's rest"]
+        assert signal.getsignal(stop) is signal.default_int_handler
+    finally:
+        for s, handler in zip(stops, before):
+            signal.signal(s, handler)
+
+
 def test_rows_whose_answer_is_null_or_empty_are_refused_with_their_index(tmp_path):
     data = tmp_path / "my.jsonl"
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "a", "answer": None}]

@@ -331,7 +331,7 @@ def test_torchrun_refuses_a_device_that_would_put_every_rank_on_one_gpu(monkeypa
 
 def test_torchrun_refuses_lora_in_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="--lora-rank runs in one process only"):
+    with pytest.raises(ValueError, match="--resume and --lora-rank run in one process only"):
         train.Config(model="m", lora_rank=8)
 
 
