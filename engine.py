@@ -180,8 +180,7 @@ class Engine:
             per_prompt = []
             for c in out.outputs:
                 spans = self.labels.spans(c, version, m, lora)
-                text = decoded_text(self.tokenizer, out.prompt_token_ids, c, params, sampling)
-                per_prompt.append(completion(c, out.prompt_token_ids, text, params.logprobs, spans))
+                per_prompt.append(completion(c, out, spans, params, sampling, self.tokenizer))
             results.append(per_prompt)
         return results
 
@@ -461,19 +460,20 @@ def decoded_text(tokenizer, prompt, c, params, sampling) -> str:
     return "".join(filter(None, (stream.step(tokenizer._tokenizer, t) for t in ids)))
 
 
-def completion(c, prompt, text, k, spans) -> Completion:
-    """Our Completion of vLLM's CompletionOutput `c` of `prompt` (its token ids), with `k` top
-    logprobs per token and its version `spans` (VersionLabels.spans)."""
+def completion(c, out, spans, params, sampling, tokenizer) -> Completion:
+    """Our Completion of vLLM's CompletionOutput `c` of RequestOutput `out`, with its version
+    `spans` (VersionLabels.spans), sampled with `params` (as asked; `sampling`: as sent to vLLM,
+    final_output_params'), its text decoded by `tokenizer` where vLLM did not (decoded_text)."""
     return Completion(
-        text=text,
+        text=decoded_text(tokenizer, out.prompt_token_ids, c, params, sampling),
         token_ids=list(c.token_ids),
         # the sampled token's, at each position
         logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
         finish_reason=c.finish_reason,
         version=spans[0][0],
-        top_logprobs=top_logprobs(c.logprobs, k),
+        top_logprobs=top_logprobs(c.logprobs, params.logprobs),
         versions=spans,
-        prompt_token_ids=prompt,
+        prompt_token_ids=out.prompt_token_ids,
     )
 
 

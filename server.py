@@ -1085,8 +1085,8 @@ async def mcp_session(stack, target, env, closed: asyncio.Event):
     # the session reads the server's messages through a stream of ours, whose end (the server's
     # stdout closed: it exited) sets `closed`
     forward_to, watched = anyio.create_memory_object_stream(0)
-    forwarding = asyncio.ensure_future(forward(receive, forward_to, closed))
-    stack.callback(forwarding.cancel)
+    # cancelled as the stack closes
+    stack.callback(asyncio.ensure_future(forward(receive, forward_to, closed)).cancel)
     session = await stack.enter_async_context(ClientSession(watched, send))
     await session.initialize()
     return session

@@ -37,6 +37,7 @@ import reprlib
 import shlex
 import signal
 import sys
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -360,10 +361,11 @@ def checkpoint_on_stop(cfg, policy, tok, rng, sampler):
 @contextlib.contextmanager
 def stops_deferred():
     """Ctrl-C and SIGTERM (which __main__ makes a Ctrl-C) wait till the block ends, then stop the
-    run: what the block changes is changed whole (Sampler.advance). In the main thread, where
-    Python runs signal handlers (train() runs there)."""
+    run: what the block changes is changed whole (Sampler.advance). Python runs signal handlers in
+    the main thread only; elsewhere the block just runs."""
     held, stops = [], (signal.SIGINT, signal.SIGTERM)
-    handlers = [signal.signal(s, lambda s, _: held.append(s)) for s in stops]
+    main = threading.current_thread() is threading.main_thread()
+    handlers = [signal.signal(s, lambda s, _: held.append(s)) for s in stops] if main else []
     try:
         yield
     finally:
