@@ -94,9 +94,12 @@ class Episode:
     # as a Completion's, over token_ids
     versions: list[list[int]] | None = None
 
-    def append(self, token_ids, logprobs):
-        """Add tokens: sampled ones with their `logprobs` (in the loss), or, with logprobs None, the
-        prompt's or a tool's (masked out)."""
+    def append(self, token_ids, logprobs, versions=()):
+        """Add tokens: sampled ones with their `logprobs` (in the loss) and their `versions`, a
+        Completion's [[version, first token]] spans counted from its first token; or, with logprobs
+        None, the prompt's or a tool's (masked out)."""
+        if versions:
+            self.versions += [[v, len(self.token_ids) + start] for v, start in versions]
         self.token_ids += token_ids
         self.loss_mask += [0 if logprobs is None else 1] * len(token_ids)
         self.logprobs += [None] * len(token_ids) if logprobs is None else logprobs

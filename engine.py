@@ -1037,9 +1037,8 @@ class RolloutEngine:
                 p.stop = list(params.stop or []) + [call_end]
                 p.seed = None if params.seed is None else params.seed + 1000 * k + turn
                 [[c]] = await self.engine.generate([ep.token_ids], p, in_episode=True)
-                ep.versions += [[v, len(ep.token_ids) + start] for v, start in c.versions]
                 # exactly as sampled: never re-tokenised
-                ep.append(c.token_ids, c.logprobs)
+                ep.append(c.token_ids, c.logprobs, c.versions)
                 ep.turns.append(dict(text=c.text, version=c.version, finish_reason=c.finish_reason))
                 text += c.text
                 if not c.text.endswith(call_end) or call_start not in text:

@@ -166,7 +166,5 @@ def merge(calls) -> tuple[dict | None, str | None]:
                 "(re-tokenised text, or a call with n > 1): train on 'calls' instead"
             )
         episode.append(prompt[len(episode.token_ids) :], logprobs=None)
-        # each call's version spans, counted from its completion's first token
-        episode.versions += [[v, len(episode.token_ids) + first] for v, first in call["versions"]]
-        episode.append(call["completion_token_ids"], call["logprobs"])
+        episode.append(call["completion_token_ids"], call["logprobs"], call["versions"])
     return vars(episode), None

@@ -372,8 +372,8 @@ def stops_deferred():
         for s, handler in zip(stops, handlers):
             signal.signal(s, handler)
     # the first to its own handler again (__main__'s, for both: a KeyboardInterrupt)
-    for s in held[:1]:
-        signal.raise_signal(s)
+    if held:
+        signal.raise_signal(held[0])
 
 
 @dataclass
@@ -670,8 +670,7 @@ def to_sample(row, output, rewards) -> Sample:
         # a Completion as an episode of one turn, built as RolloutEngine.episode builds each turn
         completion, output = output, Episode(finish_reason=output.finish_reason, versions=[])
         output.append(completion.prompt_token_ids, None)
-        output.versions += [[v, len(output.token_ids) + start] for v, start in completion.versions]
-        output.append(completion.token_ids, completion.logprobs)
+        output.append(completion.token_ids, completion.logprobs, completion.versions)
         output.turns.append(dict(text=completion.text, version=completion.version))
     # an episode merged from a session has no spans: its first turn's version
     spans = output.versions or [[output.turns[0]["version"], 0]]
@@ -825,7 +824,9 @@ def chunk_backward(model, samples, advantages, version, cfg, pad_id, grad=True) 
     loss, w = pg_loss(logprobs, old, advantages, batch["mask"], stale, cfg.is_cap, cfg.loss_type)
     if grad:
         loss.backward()
-    return Backward(w[stale & sampled], (logprobs.detach() - old)[~stale & sampled], loss.item())
+    # the trainer's logprobs of the fresh sampled tokens against the server's
+    deltas = (logprobs.detach() - old)[~stale & sampled]
+    return Backward(w[stale & sampled], deltas, loss.item())
 
 
 def make_batch(prompt_ids, completion_ids, pad_id, loss_masks=None, old_logprobs=None):
